@@ -1,0 +1,364 @@
+//! The values that travel from an outbox row to a consumer.
+//!
+//! Validation happens once, when a value is built, so that every store and broker can rely on
+//! the same limits and a bad value is rejected before anything is written.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// Longest accepted event id, in bytes.
+pub const MAX_EVENT_ID_LEN: usize = 128;
+/// Longest accepted destination name, in bytes.
+pub const MAX_DESTINATION_LEN: usize = 200;
+/// Longest accepted key, in bytes.
+pub const MAX_KEY_LEN: usize = 512;
+/// Longest accepted header name, in bytes.
+pub const MAX_HEADER_NAME_LEN: usize = 128;
+/// Default largest payload a store accepts (1 MiB). Stores may be configured otherwise.
+pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
+
+fn invalid(message: String) -> Error {
+    Error::invalid_input("outbox", message)
+}
+
+/// A stable, validated event identity: 1 to [`MAX_EVENT_ID_LEN`] bytes of visible ASCII
+/// (`!` to `~`, no spaces or control characters).
+///
+/// The id is what deduplication keys on, so it must survive every broker and database unchanged.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EventId(String);
+
+impl EventId {
+    /// Validate and wrap an id.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) when the id is empty, too long
+    /// or contains anything but visible ASCII.
+    pub fn new(id: impl Into<String>) -> Result<Self> {
+        let id = id.into();
+        if id.is_empty() {
+            return Err(invalid("event id is empty".into()));
+        }
+        if id.len() > MAX_EVENT_ID_LEN {
+            return Err(invalid(format!(
+                "event id is {} bytes, longer than the limit of {MAX_EVENT_ID_LEN}",
+                id.len()
+            )));
+        }
+        if let Some((at, c)) = id.char_indices().find(|(_, c)| !c.is_ascii_graphic()) {
+            return Err(invalid(format!(
+                "event id {:?} has a character that is not visible ASCII ({c:?}) at byte {at}",
+                id
+            )));
+        }
+        Ok(Self(id))
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "EventId({})", self.0)
+    }
+}
+
+impl TryFrom<&str> for EventId {
+    type Error = Error;
+    fn try_from(value: &str) -> Result<Self> {
+        Self::new(value)
+    }
+}
+
+/// Where an event is published: a topic, exchange or stream name, depending on the broker.
+///
+/// 1 to [`MAX_DESTINATION_LEN`] bytes of `[A-Za-z0-9._-]`: the intersection of what Kafka,
+/// RabbitMQ and Redis accept, so swapping brokers never turns a valid name invalid.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Destination(String);
+
+impl Destination {
+    /// Validate and wrap a destination name.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for an empty or too long name
+    /// or a character outside `[A-Za-z0-9._-]`.
+    pub fn new(name: impl Into<String>) -> Result<Self> {
+        let name = name.into();
+        validate_name("destination", &name, MAX_DESTINATION_LEN)?;
+        Ok(Self(name))
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Destination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for Destination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Destination({})", self.0)
+    }
+}
+
+/// A consumer group (Kafka group, RabbitMQ queue, Redis Streams group): every group receives
+/// every message of a destination once; members of one group share the work.
+///
+/// Same rules as [`Destination`].
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConsumerGroup(String);
+
+impl ConsumerGroup {
+    /// Validate and wrap a group name.
+    ///
+    /// # Errors
+    /// As for [`Destination::new`].
+    pub fn new(name: impl Into<String>) -> Result<Self> {
+        let name = name.into();
+        validate_name("consumer group", &name, MAX_DESTINATION_LEN)?;
+        Ok(Self(name))
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ConsumerGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for ConsumerGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ConsumerGroup({})", self.0)
+    }
+}
+
+fn validate_name(what: &str, name: &str, max: usize) -> Result<()> {
+    if name.is_empty() {
+        return Err(invalid(format!("{what} name is empty")));
+    }
+    if name.len() > max {
+        return Err(invalid(format!("{what} name is {} bytes, longer than the limit of {max}", name.len())));
+    }
+    if let Some(c) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))) {
+        return Err(invalid(format!("{what} name {name:?} has {c:?}; only [A-Za-z0-9._-] is allowed")));
+    }
+    Ok(())
+}
+
+/// Event headers: names are visible ASCII, values are arbitrary bytes. Kept sorted by name so
+/// that comparisons and fingerprints don't depend on insertion order.
+pub type Headers = BTreeMap<String, Vec<u8>>;
+
+/// An event: what a producer enqueues, what a relay publishes and what a consumer receives.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Event {
+    /// Stable identity used for deduplication.
+    pub id: EventId,
+    /// Topic / exchange / stream.
+    pub destination: Destination,
+    /// Optional ordering key (aggregate id): events with one key are published in row order.
+    pub key: Option<String>,
+    /// Application headers, delivered byte-for-byte.
+    pub headers: Headers,
+    /// Opaque payload, delivered byte-for-byte.
+    pub payload: Vec<u8>,
+}
+
+impl Event {
+    /// An event with no key and no headers.
+    pub fn new(id: EventId, destination: Destination, payload: impl Into<Vec<u8>>) -> Self {
+        Self { id, destination, key: None, headers: Headers::new(), payload: payload.into() }
+    }
+
+    /// Set the ordering key.
+    #[must_use]
+    pub fn with_key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Add a header.
+    #[must_use]
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Check the parts that are not validated by construction (key, headers, payload size).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a key or header name that
+    /// is too long or not printable, or [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge) for a
+    /// payload over `max_payload` bytes. The message names the event id.
+    pub fn validate(&self, max_payload: usize) -> Result<()> {
+        if let Some(key) = &self.key {
+            if key.len() > MAX_KEY_LEN {
+                return Err(invalid(format!(
+                    "event {}: key is {} bytes, longer than the limit of {MAX_KEY_LEN}",
+                    self.id,
+                    key.len()
+                )));
+            }
+            if key.chars().any(char::is_control) {
+                return Err(invalid(format!("event {}: key has a control character", self.id)));
+            }
+        }
+        for name in self.headers.keys() {
+            if name.is_empty() || name.len() > MAX_HEADER_NAME_LEN || !name.chars().all(|c| c.is_ascii_graphic()) {
+                return Err(invalid(format!(
+                    "event {}: header name {name:?} must be 1 to {MAX_HEADER_NAME_LEN} bytes of visible ASCII",
+                    self.id
+                )));
+            }
+        }
+        if self.payload.len() > max_payload {
+            return Err(Error::permanent(
+                crate::ErrorKind::TooLarge,
+                "outbox",
+                format!(
+                    "event {}: payload is {} bytes, larger than the limit of {max_payload}",
+                    self.id,
+                    self.payload.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A digest of everything that defines the event's content (destination, key, headers,
+    /// payload). Two deliveries with one id and different fingerprints are a conflict.
+    pub fn fingerprint(&self) -> Fingerprint {
+        let mut h = Sha256::new();
+        let mut field = |bytes: &[u8]| {
+            h.update((bytes.len() as u64).to_be_bytes());
+            h.update(bytes);
+        };
+        field(self.destination.as_str().as_bytes());
+        match &self.key {
+            Some(k) => field(k.as_bytes()),
+            None => field(b"\xff-no-key"),
+        }
+        for (name, value) in &self.headers {
+            field(name.as_bytes());
+            field(value);
+        }
+        field(&self.payload);
+        Fingerprint(h.finalize().into())
+    }
+}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Event")
+            .field("id", &self.id)
+            .field("destination", &self.destination)
+            .field("key", &self.key)
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .field("payload_len", &self.payload.len())
+            .finish()
+    }
+}
+
+/// SHA-256 digest of an event's content, stored with inbox markers.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    /// Lower-case hex form, for text columns and messages.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Parse the hex form.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) when the text is not 64 hex digits.
+    pub fn from_hex(hex: &str) -> Result<Self> {
+        let bad = || Error::permanent(crate::ErrorKind::Corrupt, "outbox", format!("bad fingerprint {hex:?}"));
+        if hex.len() != 64 {
+            return Err(bad());
+        }
+        let mut out = [0u8; 32];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(hex.get(i * 2..i * 2 + 2).ok_or_else(bad)?, 16).map_err(|_| bad())?;
+        }
+        Ok(Self(out))
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({}…)", &self.to_hex()[..12])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorKind;
+
+    #[test]
+    fn event_id_rules() {
+        assert!(EventId::new("order-42/credit:7").is_ok());
+        for bad in ["", "has space", "tab\t", "é", "nul\0"] {
+            let err = EventId::new(bad).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidInput, "{bad:?}");
+        }
+        let long = "x".repeat(MAX_EVENT_ID_LEN + 1);
+        let err = EventId::new(long).unwrap_err();
+        assert!(err.message().contains("longer than the limit of 128"), "{err}");
+    }
+
+    #[test]
+    fn destination_rules() {
+        assert!(Destination::new("orders.v1_a-b").is_ok());
+        assert!(Destination::new("orders/v1").is_err());
+        assert!(Destination::new("").is_err());
+        assert!(ConsumerGroup::new("g 1").is_err());
+    }
+
+    #[test]
+    fn oversized_payload_is_too_large() {
+        let e = Event::new(EventId::new("a").unwrap(), Destination::new("d").unwrap(), vec![0; 11]);
+        assert_eq!(e.validate(10).unwrap_err().kind(), ErrorKind::TooLarge);
+        assert!(e.validate(11).is_ok());
+    }
+
+    #[test]
+    fn fingerprint_covers_content() {
+        let id = EventId::new("a").unwrap();
+        let d = Destination::new("d").unwrap();
+        let a = Event::new(id.clone(), d.clone(), b"x".to_vec());
+        let b = Event::new(id.clone(), d.clone(), b"y".to_vec());
+        let c = a.clone().with_header("h", b"1".to_vec());
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        assert_ne!(a.fingerprint(), c.fingerprint());
+        assert_eq!(a.fingerprint(), a.clone().fingerprint());
+        let hex = a.fingerprint().to_hex();
+        assert_eq!(Fingerprint::from_hex(&hex).unwrap(), a.fingerprint());
+    }
+}

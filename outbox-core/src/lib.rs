@@ -1,0 +1,22 @@
+#![doc = include_str!("../README.md")]
+
+pub mod broker;
+pub mod clock;
+pub mod error;
+pub mod event;
+pub mod inbox;
+pub mod memory;
+pub mod relay;
+pub mod rng;
+pub mod store;
+
+pub use broker::{Acknowledge, Broker, Delivery, Subscription};
+pub use clock::{Clock, ManualClock, SharedClock, SystemClock, Timestamp};
+pub use error::{Error, ErrorKind, Result, Retry};
+pub use event::{ConsumerGroup, Destination, Event, EventId, Fingerprint, Headers};
+pub use inbox::{DeadLetter, DeadLetterReason, Inbox, LedgerState, MarkOutcome, Marker, VersionOutcome};
+pub use relay::{Backoff, BatchReport, Relay, RelayConfig, Shutdown};
+pub use store::{
+    Claimed, Completion, Lease, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId, RowSnapshot,
+    RowStatus,
+};

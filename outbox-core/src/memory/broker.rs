@@ -1,0 +1,242 @@
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+
+use super::{BACKEND, lock};
+use crate::broker::{Acknowledge, Broker, Delivery, Subscription};
+use crate::error::{Error, ErrorKind, Result};
+use crate::event::{ConsumerGroup, DEFAULT_MAX_PAYLOAD, Destination, Event};
+
+#[derive(Debug, Default)]
+struct Group {
+    /// Next offset never delivered to this group.
+    cursor: usize,
+    /// Offsets delivered before and handed back (nack, or their subscriber went away).
+    returned: VecDeque<usize>,
+    /// Offset → subscription holding it unacknowledged.
+    in_flight: HashMap<usize, u64>,
+    /// Offset → deliveries so far.
+    deliveries: HashMap<usize, u32>,
+}
+
+#[derive(Debug, Default)]
+struct Topic {
+    log: Vec<Event>,
+    groups: BTreeMap<ConsumerGroup, Group>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    topics: BTreeMap<Destination, Topic>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    state: Mutex<State>,
+    notify: Notify,
+    next_sub: AtomicU64,
+}
+
+/// The reference [`Broker`]: an append-only log per destination, consumer groups with
+/// per-group cursors, explicit acknowledgement, and redelivery of whatever a dropped
+/// subscription left unacknowledged.
+///
+/// Publishing to a destination that was never declared (nor subscribed to) fails with
+/// [`ErrorKind::Unroutable`]: like a broker without auto-created topics, it can tell.
+#[derive(Debug, Clone)]
+pub struct MemoryBroker {
+    shared: Arc<Shared>,
+    max_payload: usize,
+}
+
+impl Default for MemoryBroker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryBroker {
+    /// An empty broker.
+    pub fn new() -> Self {
+        Self { shared: Arc::default(), max_payload: DEFAULT_MAX_PAYLOAD }
+    }
+
+    /// Set the largest accepted payload ([`ErrorKind::TooLarge`], permanent, beyond it).
+    #[must_use]
+    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+        self.max_payload = bytes;
+        self
+    }
+
+    /// Everything ever published to `destination`, in order (the broker's durable contents).
+    pub fn log(&self, destination: &Destination) -> Vec<Event> {
+        lock(&self.shared.state).topics.get(destination).map(|t| t.log.clone()).unwrap_or_default()
+    }
+
+    /// Messages of `destination` that `group` has not acknowledged yet (never delivered, returned,
+    /// or in flight).
+    pub fn unacknowledged(&self, destination: &Destination, group: &ConsumerGroup) -> usize {
+        let st = lock(&self.shared.state);
+        let Some(t) = st.topics.get(destination) else { return 0 };
+        t.groups.get(group).map_or(t.log.len(), |g| t.log.len() - g.cursor + g.returned.len() + g.in_flight.len())
+    }
+
+    fn settle(&self, destination: &Destination, group: &ConsumerGroup, offset: usize, sub: u64, requeue: bool) {
+        let mut st = lock(&self.shared.state);
+        let Some(g) = st.topics.get_mut(destination).and_then(|t| t.groups.get_mut(group)) else { return };
+        // Only the holder may settle; a late ack after the delivery was handed back is a no-op.
+        if g.in_flight.get(&offset) == Some(&sub) {
+            g.in_flight.remove(&offset);
+            if requeue {
+                g.returned.push_back(offset);
+            }
+        }
+        drop(st);
+        if requeue {
+            self.shared.notify.notify_waiters();
+        }
+    }
+}
+
+#[async_trait]
+impl Broker for MemoryBroker {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
+        let mut st = lock(&self.shared.state);
+        let t = st.topics.entry(destination.clone()).or_default();
+        for g in groups {
+            t.groups.entry(g.clone()).or_default();
+        }
+        Ok(())
+    }
+
+    async fn publish(&self, event: &Event) -> Result<()> {
+        event.validate(self.max_payload)?;
+        let mut st = lock(&self.shared.state);
+        let Some(t) = st.topics.get_mut(&event.destination) else {
+            return Err(Error::transient(
+                ErrorKind::Unroutable,
+                BACKEND,
+                format!("destination {} does not exist (declare it first)", event.destination),
+            ));
+        };
+        t.log.push(event.clone());
+        drop(st);
+        self.shared.notify.notify_waiters();
+        Ok(())
+    }
+
+    async fn subscribe(&self, destination: &Destination, group: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        self.declare(destination, std::slice::from_ref(group)).await?;
+        let id = self.shared.next_sub.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(MemorySubscription {
+            broker: self.clone(),
+            destination: destination.clone(),
+            group: group.clone(),
+            id,
+        }))
+    }
+}
+
+/// A member of a consumer group on a [`MemoryBroker`]. Dropping it returns its unacknowledged
+/// deliveries to the group at once.
+#[derive(Debug)]
+pub struct MemorySubscription {
+    broker: MemoryBroker,
+    destination: Destination,
+    group: ConsumerGroup,
+    id: u64,
+}
+
+impl MemorySubscription {
+    fn try_next(&self) -> Option<Delivery> {
+        let mut st = lock(&self.broker.shared.state);
+        let t = st.topics.get_mut(&self.destination)?;
+        let g = t.groups.get_mut(&self.group)?;
+        let offset = match g.returned.pop_front() {
+            Some(o) => o,
+            None if g.cursor < t.log.len() => {
+                g.cursor += 1;
+                g.cursor - 1
+            }
+            None => return None,
+        };
+        g.in_flight.insert(offset, self.id);
+        let count = g.deliveries.entry(offset).or_insert(0);
+        *count += 1;
+        let attempt = *count;
+        let event = t.log[offset].clone();
+        Some(Delivery::new(
+            event,
+            attempt > 1,
+            Some(attempt),
+            Box::new(MemoryAck {
+                broker: self.broker.clone(),
+                destination: self.destination.clone(),
+                group: self.group.clone(),
+                offset,
+                sub: self.id,
+            }),
+        ))
+    }
+}
+
+#[async_trait]
+impl Subscription for MemorySubscription {
+    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.broker.shared.notify.notified();
+            if let Some(d) = self.try_next() {
+                return Ok(Some(d));
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Ok(self.try_next());
+            }
+        }
+    }
+}
+
+impl Drop for MemorySubscription {
+    fn drop(&mut self) {
+        let mut st = lock(&self.broker.shared.state);
+        if let Some(g) = st.topics.get_mut(&self.destination).and_then(|t| t.groups.get_mut(&self.group)) {
+            let mut mine: Vec<usize> = g.in_flight.iter().filter(|(_, s)| **s == self.id).map(|(o, _)| *o).collect();
+            mine.sort_unstable();
+            for o in mine {
+                g.in_flight.remove(&o);
+                g.returned.push_back(o);
+            }
+        }
+        drop(st);
+        self.broker.shared.notify.notify_waiters();
+    }
+}
+
+struct MemoryAck {
+    broker: MemoryBroker,
+    destination: Destination,
+    group: ConsumerGroup,
+    offset: usize,
+    sub: u64,
+}
+
+#[async_trait]
+impl Acknowledge for MemoryAck {
+    async fn ack(self: Box<Self>) -> Result<()> {
+        self.broker.settle(&self.destination, &self.group, self.offset, self.sub, false);
+        Ok(())
+    }
+
+    async fn nack(self: Box<Self>) -> Result<()> {
+        self.broker.settle(&self.destination, &self.group, self.offset, self.sub, true);
+        Ok(())
+    }
+}

@@ -1,0 +1,261 @@
+//! The outbox side of the contract: rows, leases and fencing tokens.
+//!
+//! A row moves `pending → leased → published`, or back to `pending` on failure, or to `parked`
+//! (dead letter). Every transition after a claim is conditional on the claim's fencing token, so
+//! a relay that lost its lease can never mark a newer lease's work as done. The token cannot
+//! retract what a stale relay already sent; that duplicate is what the inbox exists for.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::clock::Timestamp;
+use crate::error::Result;
+use crate::event::Event;
+
+/// Database identity of an outbox row. Sequence order is not commit order: rows are claimed by
+/// state, never by an id high-water mark.
+pub type RowId = i64;
+
+/// A relay's exclusive, time-bounded ownership of a row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The relay that holds it.
+    pub owner: String,
+    /// Fencing token: incremented by every claim of the row; only the latest token may complete.
+    pub token: u64,
+    /// When the lease stops protecting the row from other claims (store clock).
+    pub expires_at: Timestamp,
+}
+
+/// A stored, unpublished event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRecord {
+    /// Row identity.
+    pub row_id: RowId,
+    /// The event as enqueued.
+    pub event: Event,
+    /// How many publish attempts failed so far.
+    pub attempts: u32,
+    /// When the row was enqueued (store clock).
+    pub created_at: Timestamp,
+}
+
+/// A row claimed by a relay: the record plus the lease that must accompany every later call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claimed {
+    /// The row.
+    pub record: OutboxRecord,
+    /// The lease this claim created.
+    pub lease: Lease,
+}
+
+/// Result of [`OutboxStore::complete`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[must_use]
+pub enum Completion {
+    /// The row is now published, by this lease's token.
+    Published,
+    /// Nothing changed: the token is stale (the row was claimed again) or the row was already
+    /// published or parked.
+    Fenced,
+}
+
+/// Result of the other token-conditional calls (fail, park, extend, release).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[must_use]
+pub enum Outcome {
+    /// The transition happened.
+    Applied,
+    /// Nothing changed: the token is not the row's latest, or the row is published or parked.
+    Fenced,
+}
+
+/// Where a row is in its life, as read back from durable state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RowStatus {
+    /// Waiting to be claimed (possibly not before `available_at`, possibly with an expired lease).
+    Pending,
+    /// Claimed under a lease that has not expired.
+    Leased,
+    /// Completed by the token in `published_token`.
+    Published,
+    /// Dead-lettered: visible, not offered, replayable with [`OutboxStore::requeue_parked`].
+    Parked,
+}
+
+/// Everything durable about one row, for tests, operators and the conformance suite.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowSnapshot {
+    /// Row identity.
+    pub row_id: RowId,
+    /// The event.
+    pub event: Event,
+    /// Status at the store's current time.
+    pub status: RowStatus,
+    /// Failed attempts.
+    pub attempts: u32,
+    /// Latest fencing token handed out (0 if never claimed).
+    pub token: u64,
+    /// Owner of the latest claim, if any.
+    pub owner: Option<String>,
+    /// Expiry of the latest lease, if any.
+    pub lease_expires_at: Option<Timestamp>,
+    /// The token that completed the row; the contract requires it to equal `token`.
+    pub published_token: Option<u64>,
+    /// Not claimable before this time (retry backoff).
+    pub available_at: Timestamp,
+    /// Enqueue time.
+    pub created_at: Timestamp,
+    /// Last failure or park reason.
+    pub last_error: Option<String>,
+}
+
+/// A dead-lettered row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkedRow {
+    /// The row.
+    pub record: OutboxRecord,
+    /// Why it was parked.
+    pub reason: String,
+    /// When it was parked (store clock).
+    pub parked_at: Timestamp,
+}
+
+/// Counts for dashboards and alerts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OutboxStats {
+    /// Unpublished, unparked rows without a live lease.
+    pub pending: u64,
+    /// Rows under a live lease.
+    pub leased: u64,
+    /// Dead-lettered rows.
+    pub parked: u64,
+    /// Published rows still stored.
+    pub published: u64,
+    /// Age of the oldest pending row (by enqueue time), if any.
+    pub oldest_pending_age: Option<Duration>,
+}
+
+/// Durable outbox storage with leases and fencing tokens.
+///
+/// Object safe: the relay holds an `Arc<dyn OutboxStore>`. Enqueueing inside the caller's own
+/// database transaction is offered by each store crate in its native transaction type; the
+/// [`enqueue`](OutboxStore::enqueue) here is the store's own transaction.
+#[async_trait]
+pub trait OutboxStore: Send + Sync {
+    /// Short backend name for logs and errors (`"sqlite"`, `"postgres"`, `"memory"`).
+    fn backend(&self) -> &'static str;
+
+    /// Enqueue events in one transaction of the store's own.
+    ///
+    /// # Behavior
+    /// - All events are validated first; one invalid event rejects the batch and writes nothing.
+    /// - Event ids are unique: an id already stored is rejected with
+    ///   [`ErrorKind::Conflict`](crate::ErrorKind::Conflict) and nothing of the batch is written.
+    /// - New rows are pending, available now, attempts 0, token 0; returned ids are in input order.
+    async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>>;
+
+    /// Claim up to `limit` rows for `owner` for `lease` (store clock).
+    ///
+    /// # Behavior
+    /// - claims only rows that are unpublished, not parked, due (`available_at <= now`), and
+    ///   whose lease is absent or expired;
+    /// - increments each claimed row's token, sets owner and `expires_at = now + lease`;
+    /// - concurrent claims never return the same row while its lease is valid;
+    /// - returns rows in row-id order; an empty result means nothing is claimable.
+    async fn claim(&self, owner: &str, limit: usize, lease: Duration) -> Result<Vec<Claimed>>;
+
+    /// Mark a row published.
+    ///
+    /// # Behavior
+    /// - publishes only if the row's owner and token equal the lease's and the row is neither
+    ///   published nor parked; records the token that published it;
+    /// - otherwise returns [`Completion::Fenced`] and changes nothing;
+    /// - an expired but not re-claimed lease may still complete (its token is still the latest).
+    async fn complete(&self, row: RowId, lease: &Lease) -> Result<Completion>;
+
+    /// Complete several rows; the default calls [`complete`](OutboxStore::complete) for each.
+    ///
+    /// # Behavior
+    /// - the result has one entry per input, in order, each as `complete` would return it.
+    async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
+        let mut out = Vec::with_capacity(rows.len());
+        for (row, lease) in rows {
+            out.push(self.complete(*row, lease).await?);
+        }
+        Ok(out)
+    }
+
+    /// Record a failed publish: back to pending, not before `now + retry_after`.
+    ///
+    /// # Behavior
+    /// - token-conditional like `complete`; a stale token returns [`Outcome::Fenced`];
+    /// - increments `attempts`, stores `error`, clears the lease.
+    async fn fail(&self, row: RowId, lease: &Lease, retry_after: Duration, error: &str) -> Result<Outcome>;
+
+    /// Dead-letter a row.
+    ///
+    /// # Behavior
+    /// - token-conditional; a parked row is never claimed until requeued;
+    /// - stores `reason` and the park time.
+    async fn park(&self, row: RowId, lease: &Lease, reason: &str) -> Result<Outcome>;
+
+    /// Extend a lease to `now + by` (store clock).
+    ///
+    /// # Behavior
+    /// - token-conditional; the token does not change.
+    async fn extend(&self, row: RowId, lease: &Lease, by: Duration) -> Result<Outcome>;
+
+    /// Give a row back without counting an attempt (graceful shutdown).
+    ///
+    /// # Behavior
+    /// - token-conditional; the row becomes claimable at once, attempts unchanged.
+    async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome>;
+
+    /// Parked rows, oldest first.
+    ///
+    /// # Behavior
+    /// - at most `limit` rows, in row-id order.
+    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>>;
+
+    /// Make parked rows pending again (attempts reset to 0).
+    ///
+    /// # Behavior
+    /// - ids that are not parked are ignored; returns how many rows were requeued.
+    async fn requeue_parked(&self, rows: &[RowId]) -> Result<u64>;
+
+    /// Delete parked rows.
+    ///
+    /// # Behavior
+    /// - deletes only rows that are parked; returns how many were deleted.
+    async fn purge_parked(&self, rows: &[RowId]) -> Result<u64>;
+
+    /// Counts by status and the age of the oldest pending row.
+    ///
+    /// # Behavior
+    /// - computed at the store's current time, from durable state.
+    async fn stats(&self) -> Result<OutboxStats>;
+
+    /// Read rows back, in row-id order, starting after `after`.
+    ///
+    /// # Behavior
+    /// - at most `limit` rows with `row_id > after`; status as of the store's current time.
+    async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>>;
+}
+
+/// Read every row of a store (pages through [`OutboxStore::inspect`]).
+///
+/// # Errors
+/// Whatever `inspect` returns.
+pub async fn all_rows(store: &dyn OutboxStore) -> Result<Vec<RowSnapshot>> {
+    let mut out = Vec::new();
+    let mut after = RowId::MIN;
+    loop {
+        let page = store.inspect(after, 1000).await?;
+        let Some(last) = page.last() else { break };
+        after = last.row_id;
+        out.extend(page);
+    }
+    Ok(out)
+}

@@ -257,12 +257,14 @@ impl OutboxStore for MemoryOutbox {
         let mut n = 0;
         for id in rows {
             if let Some(r) = st.rows.get_mut(id)
-                && r.parked_at.is_some() && r.published_token.is_none() {
-                    r.parked_at = None;
-                    r.attempts = 0;
-                    r.available_at = now;
-                    n += 1;
-                }
+                && r.parked_at.is_some()
+                && r.published_token.is_none()
+            {
+                r.parked_at = None;
+                r.attempts = 0;
+                r.available_at = now;
+                n += 1;
+            }
         }
         Ok(n)
     }
@@ -272,10 +274,11 @@ impl OutboxStore for MemoryOutbox {
         let mut n = 0;
         for id in rows {
             if st.rows.get(id).is_some_and(|r| r.parked_at.is_some())
-                && let Some(r) = st.rows.remove(id) {
-                    st.ids.remove(&r.event.id);
-                    n += 1;
-                }
+                && let Some(r) = st.rows.remove(id)
+            {
+                st.ids.remove(&r.event.id);
+                n += 1;
+            }
         }
         Ok(n)
     }

@@ -1,0 +1,409 @@
+//! The consumer runtime: for each delivery, guard → effect → commit → acknowledge.
+//!
+//! The order is the whole point. The guard (marker, version or ledger entry) and the effect are
+//! written in one local transaction; the broker is acknowledged only after that transaction
+//! committed. A crash anywhere before the commit leaves neither marker nor effect and the broker
+//! redelivers; a crash after the commit leaves both and the redelivery is a duplicate.
+//!
+//! Each step is a method of [`InFlight`] so that the conformance suite can crash a consumer
+//! between any two of them; [`Consumer::process`] runs them all for normal use.
+
+use std::time::Duration;
+
+use outbox_core::{
+    Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, Event, Inbox, LedgerState, MarkOutcome, Result,
+    Subscription, Timestamp, VersionOutcome,
+};
+use tracing::{debug, warn};
+
+use crate::effect::{EffectKind, Handler};
+use crate::retention::Retention;
+
+/// Consumer settings.
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    /// Consumer name: the first half of every inbox key. Stable across restarts.
+    pub name: String,
+    /// Handler failures per event before it is dead-lettered and acknowledged.
+    pub max_attempts: u32,
+    /// How long [`Consumer::run`] waits for a delivery before checking for shutdown.
+    pub receive_wait: Duration,
+    /// Marker retention, checked at construction; `None` keeps markers forever.
+    pub retention: Option<Retention>,
+}
+
+impl ConsumerConfig {
+    /// Defaults (5 attempts, markers kept forever) with a name.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self { name: name.into(), max_attempts: 5, receive_wait: Duration::from_millis(500), retention: None }
+    }
+}
+
+/// What happened to one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Handled {
+    /// The effect committed (or, for idempotent handlers, ran).
+    Applied,
+    /// Seen before with the same content: nothing applied, acknowledged.
+    Duplicate,
+    /// A projection event older than the stored version: nothing applied, acknowledged.
+    Stale {
+        /// The stored version.
+        current: u64,
+    },
+    /// Same id, different payload: nothing applied, dead-lettered, acknowledged.
+    Conflict,
+    /// A notification whose earlier attempt has an unknown outcome: dead-lettered, acknowledged.
+    Uncertain,
+    /// Not done; negatively acknowledged for redelivery.
+    Retry {
+        /// Failed handler attempts so far (0 when the failure was not the handler's).
+        attempts: u32,
+        /// Why.
+        error: String,
+    },
+    /// The handler failed `max_attempts` times: dead-lettered, acknowledged.
+    DeadLettered {
+        /// Attempts made.
+        attempts: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Received,
+    Guarded,
+    Applied,
+    Committed,
+}
+
+/// The consumer runtime for one handler.
+#[derive(Debug)]
+pub struct Consumer<I, H> {
+    inbox: I,
+    handler: H,
+    config: ConsumerConfig,
+}
+
+impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
+    /// A consumer over `inbox` running `handler`.
+    pub fn new(inbox: I, handler: H, config: ConsumerConfig) -> Self {
+        Self { inbox, handler, config }
+    }
+
+    /// The inbox.
+    pub fn inbox(&self) -> &I {
+        &self.inbox
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ConsumerConfig {
+        &self.config
+    }
+
+    /// Start handling a delivery step by step (see [`InFlight`]).
+    pub fn receive(&self, delivery: Delivery) -> InFlight<'_, I, H> {
+        let (redelivered, attempt) = (delivery.redelivered, delivery.attempt);
+        let (event, acker) = delivery.into_parts();
+        InFlight {
+            consumer: self,
+            event,
+            acker: Some(acker),
+            redelivered,
+            attempt,
+            tx: None,
+            stage: Stage::Received,
+            verdict: None,
+        }
+    }
+
+    /// Handle one delivery completely: guard, effect, commit, then ack (or nack).
+    ///
+    /// # Errors
+    /// Only an acknowledgement error; every other failure becomes a [`Handled`] value and a
+    /// negative acknowledgement.
+    pub async fn process(&self, delivery: Delivery) -> Result<Handled> {
+        let mut f = self.receive(delivery);
+        // Step errors are recorded in the verdict; acknowledge decides ack vs nack from it.
+        if f.guard().await.is_ok() && f.apply().await.is_ok() {
+            let _ = f.commit().await;
+        }
+        f.acknowledge().await
+    }
+
+    /// Process deliveries from `subscription` until none arrives within `idle`. Returns what
+    /// happened to each, in order.
+    ///
+    /// # Errors
+    /// A subscription or acknowledgement error.
+    pub async fn drain(&self, subscription: &mut dyn Subscription, idle: Duration) -> Result<Vec<Handled>> {
+        let mut out = Vec::new();
+        while let Some(d) = subscription.next(idle).await? {
+            out.push(self.process(d).await?);
+        }
+        Ok(out)
+    }
+
+    /// Process deliveries until `shutdown` is triggered. Subscription errors are logged and
+    /// retried after `receive_wait`.
+    ///
+    /// # Errors
+    /// None today; the signature leaves room for fatal errors.
+    pub async fn run(&self, subscription: &mut dyn Subscription, shutdown: &outbox_core::Shutdown) -> Result<()> {
+        while !shutdown.is_triggered() {
+            match subscription.next(self.config.receive_wait).await {
+                Ok(Some(d)) => {
+                    if let Err(e) = self.process(d).await {
+                        warn!(target: "outbox.consumer", consumer = %self.config.name, error = %e, "acknowledgement failed; the broker will redeliver");
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(target: "outbox.consumer", consumer = %self.config.name, error = %e, "receive failed");
+                    tokio::time::sleep(self.config.receive_wait).await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Delete markers older than the configured retention.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when no retention was configured
+    /// (markers are then kept forever); the store's error otherwise.
+    pub async fn prune_markers(&self) -> Result<u64> {
+        let Some(r) = self.config.retention else {
+            return Err(Error::config(
+                "consumer-inbox",
+                "no marker retention configured: markers are kept forever and nothing is pruned",
+            ));
+        };
+        self.inbox.prune_markers(&self.config.name, r.markers()).await
+    }
+
+    fn dead_letter(&self, event: &Event, reason: DeadLetterReason, error: String) -> DeadLetter {
+        DeadLetter {
+            consumer: self.config.name.clone(),
+            event_id: event.id.clone(),
+            reason,
+            error,
+            payload: event.payload.clone(),
+            at: Timestamp::default(),
+        }
+    }
+}
+
+/// One delivery being handled, one step at a time:
+/// [`guard`](InFlight::guard) → [`apply`](InFlight::apply) → [`commit`](InFlight::commit) →
+/// [`acknowledge`](InFlight::acknowledge).
+///
+/// Dropping it at any point is a crash: the open transaction rolls back and the delivery, never
+/// acknowledged, returns to the broker when its subscription goes away.
+pub struct InFlight<'c, I: Inbox, H> {
+    consumer: &'c Consumer<I, H>,
+    event: Event,
+    acker: Option<Box<dyn Acknowledge>>,
+    /// The broker's redelivered flag.
+    pub redelivered: bool,
+    /// The broker's delivery count, if known.
+    pub attempt: Option<u32>,
+    tx: Option<I::Tx>,
+    stage: Stage,
+    verdict: Option<Handled>,
+}
+
+impl<I: Inbox, H: Handler<I>> InFlight<'_, I, H> {
+    /// The event being handled.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    /// What will be reported once acknowledged, if already decided.
+    pub fn verdict(&self) -> Option<&Handled> {
+        self.verdict.as_ref()
+    }
+
+    fn retry(&mut self, attempts: u32, e: &Error) -> Error {
+        self.tx = None;
+        self.verdict = Some(Handled::Retry { attempts, error: e.to_string() });
+        Error::new(e.kind(), e.retry(), e.backend().to_string(), e.message().to_string())
+    }
+
+    /// Open the transaction and apply the guard that the handler's effect names.
+    ///
+    /// # Errors
+    /// Store errors; the delivery will then be negatively acknowledged.
+    pub async fn guard(&mut self) -> Result<()> {
+        debug_assert_eq!(self.stage, Stage::Received);
+        let r = self.guard_inner().await;
+        self.stage = Stage::Guarded;
+        r.map_err(|e| self.retry(0, &e))
+    }
+
+    async fn guard_inner(&mut self) -> Result<()> {
+        let c = self.consumer;
+        let inbox = &c.inbox;
+        let name = c.config.name.as_str();
+        let mut tx = inbox.begin().await?;
+        match c.handler.effect() {
+            EffectKind::Additive => {
+                match inbox.mark(&mut tx, name, &self.event.id, &self.event.fingerprint()).await? {
+                    MarkOutcome::New => {}
+                    MarkOutcome::Duplicate => self.verdict = Some(Handled::Duplicate),
+                    MarkOutcome::Conflict { stored } => {
+                        let msg = format!(
+                            "event {} was first delivered with fingerprint {} and now with {}: same id, different content",
+                            self.event.id,
+                            stored.to_hex(),
+                            self.event.fingerprint().to_hex()
+                        );
+                        warn!(target: "outbox.consumer", consumer = name, event_id = %self.event.id, "{msg}");
+                        inbox.dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Conflict, msg)).await?;
+                        self.verdict = Some(Handled::Conflict);
+                    }
+                }
+            }
+            EffectKind::Projection => {
+                let (subject, version) = c.handler.version(&self.event)?;
+                if let VersionOutcome::Stale { current } = inbox.advance_version(&mut tx, name, &subject, version).await? {
+                    debug!(target: "outbox.consumer", consumer = name, %subject, version, current, "stale projection event");
+                    self.verdict = Some(Handled::Stale { current });
+                }
+            }
+            EffectKind::Notification => match inbox.ledger_state(&mut tx, name, &self.event.id).await? {
+                LedgerState::Done => self.verdict = Some(Handled::Duplicate),
+                LedgerState::Attempted => {
+                    let msg = format!(
+                        "notification {} was attempted before and its outcome is unknown; not repeating it",
+                        self.event.id
+                    );
+                    inbox
+                        .dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Uncertain, msg))
+                        .await?;
+                    self.verdict = Some(Handled::Uncertain);
+                }
+                LedgerState::Fresh => {
+                    // "Attempted" must be durable before the external call.
+                    inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Attempted).await?;
+                    inbox.commit(tx).await?;
+                    tx = inbox.begin().await?;
+                }
+            },
+            EffectKind::Idempotent => {}
+        }
+        self.tx = Some(tx);
+        Ok(())
+    }
+
+    /// Run the handler's effect on the guard's transaction (skipped for duplicates, stale and
+    /// conflicting events).
+    ///
+    /// # Errors
+    /// The handler's error (after counting it durably and, at `max_attempts`, dead-lettering the
+    /// event), or a store error.
+    pub async fn apply(&mut self) -> Result<()> {
+        debug_assert_eq!(self.stage, Stage::Guarded);
+        self.stage = Stage::Applied;
+        if self.verdict.is_some() {
+            return Ok(());
+        }
+        let c = self.consumer;
+        let Some(tx) = self.tx.as_mut() else { return Ok(()) };
+        match c.handler.apply(tx, &self.event).await {
+            Ok(()) => {
+                if c.handler.effect() == EffectKind::Notification {
+                    c.inbox.set_ledger_state(tx, &c.config.name, &self.event.id, LedgerState::Done).await.map_err(
+                        |e| {
+                            let err = Error::new(e.kind(), e.retry(), e.backend().to_string(), e.message().to_string());
+                            self.retry(0, &e);
+                            err
+                        },
+                    )?;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.tx = None; // roll back whatever the handler wrote
+                let attempts = match self.handler_failed(&e).await {
+                    Ok(n) => n,
+                    Err(store) => return Err(self.retry(0, &store)),
+                };
+                if self.verdict.is_none() {
+                    self.verdict = Some(Handled::Retry { attempts, error: e.to_string() });
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn handler_failed(&mut self, e: &Error) -> Result<u32> {
+        let c = self.consumer;
+        let name = c.config.name.as_str();
+        let attempts = c.inbox.record_failure(name, &self.event.id).await?;
+        let notification = c.handler.effect() == EffectKind::Notification;
+        if attempts >= c.config.max_attempts {
+            warn!(target: "outbox.consumer", consumer = name, event_id = %self.event.id, attempts, error = %e, "dead-lettered after repeated handler failures");
+            let mut tx = c.inbox.begin().await?;
+            let msg = format!("handler failed {attempts} times; last error: {e}");
+            c.inbox.dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::HandlerFailed, msg)).await?;
+            if notification {
+                c.inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Fresh).await?;
+            }
+            c.inbox.commit(tx).await?;
+            self.verdict = Some(Handled::DeadLettered { attempts });
+        } else if notification {
+            // The handler says the call did not happen: make the next attempt possible.
+            let mut tx = c.inbox.begin().await?;
+            c.inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Fresh).await?;
+            c.inbox.commit(tx).await?;
+        }
+        Ok(attempts)
+    }
+
+    /// Commit guard and effect together.
+    ///
+    /// # Errors
+    /// The store's commit error (a concurrent duplicate, a lost connection); the delivery will
+    /// be negatively acknowledged and its redelivery finds the marker or applies once.
+    pub async fn commit(&mut self) -> Result<()> {
+        debug_assert_eq!(self.stage, Stage::Applied);
+        self.stage = Stage::Committed;
+        let Some(tx) = self.tx.take() else { return Ok(()) };
+        match self.consumer.inbox.commit(tx).await {
+            Ok(()) => {
+                if self.verdict.is_none() {
+                    self.verdict = Some(Handled::Applied);
+                }
+                Ok(())
+            }
+            Err(e) => Err(self.retry(0, &e)),
+        }
+    }
+
+    /// Acknowledge (or, when the event is to be retried, negatively acknowledge) the delivery.
+    /// Called after [`commit`](InFlight::commit); calling it earlier is treated as a failure
+    /// and negatively acknowledges, so an acknowledgement can never precede the commit.
+    ///
+    /// # Errors
+    /// The broker's acknowledgement error.
+    pub async fn acknowledge(mut self) -> Result<Handled> {
+        if self.tx.is_some() || self.verdict.is_none() {
+            // Uncommitted work: never acknowledge it. Roll back and hand the delivery back.
+            self.tx = None;
+            self.verdict =
+                Some(Handled::Retry { attempts: 0, error: "acknowledge called before commit; rolled back".into() });
+        }
+        let verdict = self.verdict.take().unwrap_or(Handled::Retry { attempts: 0, error: "no verdict".into() });
+        let Some(acker) = self.acker.take() else { return Ok(verdict) };
+        match &verdict {
+            Handled::Retry { .. } => acker.nack().await?,
+            _ => acker.ack().await?,
+        }
+        Ok(verdict)
+    }
+
+    /// Give up without acknowledging (the suite's "acknowledgement lost"): the transaction, if
+    /// still open, rolls back and the delivery stays unacknowledged until its subscription ends.
+    pub fn abandon(self) {}
+}

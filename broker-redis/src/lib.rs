@@ -1,1 +1,18 @@
 #![doc = include_str!("../README.md")]
+
+mod broker;
+mod codec;
+mod config;
+mod error;
+mod scripts;
+mod subscription;
+
+pub use broker::RedisBroker;
+pub use config::{
+    DEFAULT_BLOCK, DEFAULT_CLAIM_IDLE, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, DEFAULT_URL,
+    ENV_URL, RedisConfig,
+};
+pub use subscription::RedisSubscription;
+
+/// The backend name in errors and logs.
+pub const BACKEND: &str = "redis";

@@ -1,5 +1,18 @@
 #![doc = include_str!("../README.md")]
 
+pub mod cases;
+pub mod explore;
+pub mod harness;
+pub mod invariants;
+pub mod mutants;
+pub mod reference;
+pub mod runner;
+pub mod script;
 pub mod service;
+pub mod world;
 
+pub use cases::{Case, CaseResult, Counterexample, all_cases, replay, run_case};
+pub use harness::{Capabilities, Capability, EffectRow, EffectTable, Fixture, Harness};
+pub use reference::MemoryHarness;
+pub use runner::{main, run_all, table};
 pub use service::{in_ci, require_service};

@@ -29,9 +29,7 @@ pub fn require_service(service: &str, script_name: &str, addr: &str) -> bool {
     if reachable {
         return true;
     }
-    let msg = format!(
-        "{service} is not reachable at {addr}; start it with `scripts/services ensure {script_name}`"
-    );
+    let msg = format!("{service} is not reachable at {addr}; start it with `scripts/services ensure {script_name}`");
     if in_ci() {
         panic!("{msg} (CI=true: an unreachable service is a failure)");
     }

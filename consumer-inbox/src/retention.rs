@@ -59,9 +59,9 @@ impl Retention {
 
 fn human(d: Duration) -> String {
     let s = d.as_secs();
-    if s >= 86_400 && s % 86_400 == 0 {
+    if s >= 86_400 && s.is_multiple_of(86_400) {
         format!("{}d ({s}s)", s / 86_400)
-    } else if s >= 3600 && s % 3600 == 0 {
+    } else if s >= 3600 && s.is_multiple_of(3600) {
         format!("{}h ({s}s)", s / 3600)
     } else {
         format!("{s}s")

@@ -8,6 +8,7 @@
 //! Each step is a method of [`InFlight`] so that the conformance suite can crash a consumer
 //! between any two of them; [`Consumer::process`] runs them all for normal use.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::{
@@ -77,36 +78,47 @@ enum Stage {
     Committed,
 }
 
-/// The consumer runtime for one handler.
+/// The consumer runtime for one handler. Cheap to clone: clones share the handler and inbox.
 #[derive(Debug)]
 pub struct Consumer<I, H> {
+    inner: Arc<Inner<I, H>>,
+}
+
+#[derive(Debug)]
+struct Inner<I, H> {
     inbox: I,
     handler: H,
     config: ConsumerConfig,
 }
 
+impl<I, H> Clone for Consumer<I, H> {
+    fn clone(&self) -> Self {
+        Self { inner: self.inner.clone() }
+    }
+}
+
 impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
     /// A consumer over `inbox` running `handler`.
     pub fn new(inbox: I, handler: H, config: ConsumerConfig) -> Self {
-        Self { inbox, handler, config }
+        Self { inner: Arc::new(Inner { inbox, handler, config }) }
     }
 
     /// The inbox.
     pub fn inbox(&self) -> &I {
-        &self.inbox
+        &self.inner.inbox
     }
 
     /// The configuration.
     pub fn config(&self) -> &ConsumerConfig {
-        &self.config
+        &self.inner.config
     }
 
     /// Start handling a delivery step by step (see [`InFlight`]).
-    pub fn receive(&self, delivery: Delivery) -> InFlight<'_, I, H> {
+    pub fn receive(&self, delivery: Delivery) -> InFlight<I, H> {
         let (redelivered, attempt) = (delivery.redelivered, delivery.attempt);
         let (event, acker) = delivery.into_parts();
         InFlight {
-            consumer: self,
+            consumer: self.clone(),
             event,
             acker: Some(acker),
             redelivered,
@@ -151,16 +163,16 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
     /// None today; the signature leaves room for fatal errors.
     pub async fn run(&self, subscription: &mut dyn Subscription, shutdown: &outbox_core::Shutdown) -> Result<()> {
         while !shutdown.is_triggered() {
-            match subscription.next(self.config.receive_wait).await {
+            match subscription.next(self.inner.config.receive_wait).await {
                 Ok(Some(d)) => {
                     if let Err(e) = self.process(d).await {
-                        warn!(target: "outbox.consumer", consumer = %self.config.name, error = %e, "acknowledgement failed; the broker will redeliver");
+                        warn!(target: "outbox.consumer", consumer = %self.inner.config.name, error = %e, "acknowledgement failed; the broker will redeliver");
                     }
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    warn!(target: "outbox.consumer", consumer = %self.config.name, error = %e, "receive failed");
-                    tokio::time::sleep(self.config.receive_wait).await;
+                    warn!(target: "outbox.consumer", consumer = %self.inner.config.name, error = %e, "receive failed");
+                    tokio::time::sleep(self.inner.config.receive_wait).await;
                 }
             }
         }
@@ -173,18 +185,18 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
     /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when no retention was configured
     /// (markers are then kept forever); the store's error otherwise.
     pub async fn prune_markers(&self) -> Result<u64> {
-        let Some(r) = self.config.retention else {
+        let Some(r) = self.inner.config.retention else {
             return Err(Error::config(
                 "consumer-inbox",
                 "no marker retention configured: markers are kept forever and nothing is pruned",
             ));
         };
-        self.inbox.prune_markers(&self.config.name, r.markers()).await
+        self.inner.inbox.prune_markers(&self.inner.config.name, r.markers()).await
     }
 
     fn dead_letter(&self, event: &Event, reason: DeadLetterReason, error: String) -> DeadLetter {
         DeadLetter {
-            consumer: self.config.name.clone(),
+            consumer: self.inner.config.name.clone(),
             event_id: event.id.clone(),
             reason,
             error,
@@ -200,8 +212,8 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
 ///
 /// Dropping it at any point is a crash: the open transaction rolls back and the delivery, never
 /// acknowledged, returns to the broker when its subscription goes away.
-pub struct InFlight<'c, I: Inbox, H> {
-    consumer: &'c Consumer<I, H>,
+pub struct InFlight<I: Inbox, H> {
+    consumer: Consumer<I, H>,
     event: Event,
     acker: Option<Box<dyn Acknowledge>>,
     /// The broker's redelivered flag.
@@ -213,7 +225,7 @@ pub struct InFlight<'c, I: Inbox, H> {
     verdict: Option<Handled>,
 }
 
-impl<I: Inbox, H: Handler<I>> InFlight<'_, I, H> {
+impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// The event being handled.
     pub fn event(&self) -> &Event {
         &self.event
@@ -242,31 +254,31 @@ impl<I: Inbox, H: Handler<I>> InFlight<'_, I, H> {
     }
 
     async fn guard_inner(&mut self) -> Result<()> {
-        let c = self.consumer;
-        let inbox = &c.inbox;
-        let name = c.config.name.as_str();
+        let c = self.consumer.clone();
+        let inbox = &c.inner.inbox;
+        let name = c.inner.config.name.as_str();
         let mut tx = inbox.begin().await?;
-        match c.handler.effect() {
-            EffectKind::Additive => {
-                match inbox.mark(&mut tx, name, &self.event.id, &self.event.fingerprint()).await? {
-                    MarkOutcome::New => {}
-                    MarkOutcome::Duplicate => self.verdict = Some(Handled::Duplicate),
-                    MarkOutcome::Conflict { stored } => {
-                        let msg = format!(
-                            "event {} was first delivered with fingerprint {} and now with {}: same id, different content",
-                            self.event.id,
-                            stored.to_hex(),
-                            self.event.fingerprint().to_hex()
-                        );
-                        warn!(target: "outbox.consumer", consumer = name, event_id = %self.event.id, "{msg}");
-                        inbox.dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Conflict, msg)).await?;
-                        self.verdict = Some(Handled::Conflict);
-                    }
+        match c.inner.handler.effect() {
+            EffectKind::Additive => match inbox.mark(&mut tx, name, &self.event.id, &self.event.fingerprint()).await? {
+                MarkOutcome::New => {}
+                MarkOutcome::Duplicate => self.verdict = Some(Handled::Duplicate),
+                MarkOutcome::Conflict { stored } => {
+                    let msg = format!(
+                        "event {} was first delivered with fingerprint {} and now with {}: same id, different content",
+                        self.event.id,
+                        stored.to_hex(),
+                        self.event.fingerprint().to_hex()
+                    );
+                    warn!(target: "outbox.consumer", consumer = name, event_id = %self.event.id, "{msg}");
+                    inbox.dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Conflict, msg)).await?;
+                    self.verdict = Some(Handled::Conflict);
                 }
-            }
+            },
             EffectKind::Projection => {
-                let (subject, version) = c.handler.version(&self.event)?;
-                if let VersionOutcome::Stale { current } = inbox.advance_version(&mut tx, name, &subject, version).await? {
+                let (subject, version) = c.inner.handler.version(&self.event)?;
+                if let VersionOutcome::Stale { current } =
+                    inbox.advance_version(&mut tx, name, &subject, version).await?
+                {
                     debug!(target: "outbox.consumer", consumer = name, %subject, version, current, "stale projection event");
                     self.verdict = Some(Handled::Stale { current });
                 }
@@ -278,9 +290,7 @@ impl<I: Inbox, H: Handler<I>> InFlight<'_, I, H> {
                         "notification {} was attempted before and its outcome is unknown; not repeating it",
                         self.event.id
                     );
-                    inbox
-                        .dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Uncertain, msg))
-                        .await?;
+                    inbox.dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Uncertain, msg)).await?;
                     self.verdict = Some(Handled::Uncertain);
                 }
                 LedgerState::Fresh => {
@@ -308,18 +318,20 @@ impl<I: Inbox, H: Handler<I>> InFlight<'_, I, H> {
         if self.verdict.is_some() {
             return Ok(());
         }
-        let c = self.consumer;
+        let c = self.consumer.clone();
         let Some(tx) = self.tx.as_mut() else { return Ok(()) };
-        match c.handler.apply(tx, &self.event).await {
+        match c.inner.handler.apply(tx, &self.event).await {
             Ok(()) => {
-                if c.handler.effect() == EffectKind::Notification {
-                    c.inbox.set_ledger_state(tx, &c.config.name, &self.event.id, LedgerState::Done).await.map_err(
-                        |e| {
-                            let err = Error::new(e.kind(), e.retry(), e.backend().to_string(), e.message().to_string());
-                            self.retry(0, &e);
-                            err
-                        },
-                    )?;
+                if c.inner.handler.effect() == EffectKind::Notification {
+                    c.inner
+                        .inbox
+                        .set_ledger_state(tx, &c.inner.config.name, &self.event.id, LedgerState::Done)
+                        .await
+                        .map_err(|e| {
+                        let err = Error::new(e.kind(), e.retry(), e.backend().to_string(), e.message().to_string());
+                        self.retry(0, &e);
+                        err
+                    })?;
                 }
                 Ok(())
             }
@@ -338,25 +350,28 @@ impl<I: Inbox, H: Handler<I>> InFlight<'_, I, H> {
     }
 
     async fn handler_failed(&mut self, e: &Error) -> Result<u32> {
-        let c = self.consumer;
-        let name = c.config.name.as_str();
-        let attempts = c.inbox.record_failure(name, &self.event.id).await?;
-        let notification = c.handler.effect() == EffectKind::Notification;
-        if attempts >= c.config.max_attempts {
+        let c = self.consumer.clone();
+        let name = c.inner.config.name.as_str();
+        let attempts = c.inner.inbox.record_failure(name, &self.event.id).await?;
+        let notification = c.inner.handler.effect() == EffectKind::Notification;
+        if attempts >= c.inner.config.max_attempts {
             warn!(target: "outbox.consumer", consumer = name, event_id = %self.event.id, attempts, error = %e, "dead-lettered after repeated handler failures");
-            let mut tx = c.inbox.begin().await?;
+            let mut tx = c.inner.inbox.begin().await?;
             let msg = format!("handler failed {attempts} times; last error: {e}");
-            c.inbox.dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::HandlerFailed, msg)).await?;
+            c.inner
+                .inbox
+                .dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::HandlerFailed, msg))
+                .await?;
             if notification {
-                c.inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Fresh).await?;
+                c.inner.inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Fresh).await?;
             }
-            c.inbox.commit(tx).await?;
+            c.inner.inbox.commit(tx).await?;
             self.verdict = Some(Handled::DeadLettered { attempts });
         } else if notification {
             // The handler says the call did not happen: make the next attempt possible.
-            let mut tx = c.inbox.begin().await?;
-            c.inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Fresh).await?;
-            c.inbox.commit(tx).await?;
+            let mut tx = c.inner.inbox.begin().await?;
+            c.inner.inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Fresh).await?;
+            c.inner.inbox.commit(tx).await?;
         }
         Ok(attempts)
     }
@@ -370,7 +385,7 @@ impl<I: Inbox, H: Handler<I>> InFlight<'_, I, H> {
         debug_assert_eq!(self.stage, Stage::Applied);
         self.stage = Stage::Committed;
         let Some(tx) = self.tx.take() else { return Ok(()) };
-        match self.consumer.inbox.commit(tx).await {
+        match self.consumer.inner.inbox.commit(tx).await {
             Ok(()) => {
                 if self.verdict.is_none() {
                     self.verdict = Some(Handled::Applied);

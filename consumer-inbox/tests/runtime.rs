@@ -9,8 +9,7 @@ use async_trait::async_trait;
 use outbox_consumer_inbox::{Consumer, ConsumerConfig, EffectKind, Handled, Handler, Retention};
 use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryTx};
 use outbox_core::{
-    Broker, ConsumerGroup, DeadLetterReason, Destination, Error, ErrorKind, Event, EventId, Inbox, ManualClock,
-    Result,
+    Broker, ConsumerGroup, DeadLetterReason, Destination, Error, ErrorKind, Event, EventId, Inbox, ManualClock, Result,
 };
 
 const WAIT: Duration = Duration::from_millis(50);
@@ -81,15 +80,15 @@ async fn duplicates_apply_once_and_conflicts_are_dead_lettered() {
     let events = [ev("a", b"7"), ev("b", b"7"), ev("a", b"7"), ev("c", b"0"), ev("a", b"9")];
     let (broker, mut sub) = broker_with(&events).await;
     let handled = consumer.drain(sub.as_mut(), WAIT).await.unwrap();
-    assert_eq!(
-        handled,
-        [Handled::Applied, Handled::Applied, Handled::Duplicate, Handled::Applied, Handled::Conflict]
-    );
+    assert_eq!(handled, [Handled::Applied, Handled::Applied, Handled::Duplicate, Handled::Applied, Handled::Conflict]);
     assert_eq!(table(&inbox, "effects"), ["a=7", "b=7", "c=0"], "equal amounts are different events; zero gets one");
     assert_eq!(inbox.markers("billing").await.unwrap().len(), 3);
     let dead = inbox.dead_letters("billing").await.unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!((dead[0].event_id.as_str(), dead[0].reason, dead[0].payload.as_slice()), ("a", DeadLetterReason::Conflict, &b"9"[..]));
+    assert_eq!(
+        (dead[0].event_id.as_str(), dead[0].reason, dead[0].payload.as_slice()),
+        ("a", DeadLetterReason::Conflict, &b"9"[..])
+    );
     assert_eq!(broker.unacknowledged(&Destination::new("t").unwrap(), &ConsumerGroup::new("g").unwrap()), 0);
 }
 
@@ -199,7 +198,10 @@ async fn pruning_respects_the_checked_retention() {
     consumer.drain(sub.as_mut(), WAIT).await.unwrap();
     clock.advance(3 * hour);
     let mut tx = inbox.begin().await.unwrap();
-    let _ = inbox.mark(&mut tx, "billing", &EventId::new("young").unwrap(), &ev("young", b"1").fingerprint()).await.unwrap();
+    let _ = inbox
+        .mark(&mut tx, "billing", &EventId::new("young").unwrap(), &ev("young", b"1").fingerprint())
+        .await
+        .unwrap();
     inbox.commit(tx).await.unwrap();
     assert_eq!(consumer.prune_markers().await.unwrap(), 0, "nothing is older than 4h yet");
     clock.advance(hour + Duration::from_secs(1));

@@ -1,1 +1,21 @@
 #![doc = include_str!("../README.md")]
+
+mod codec;
+mod config;
+mod enqueue;
+mod error;
+mod inbox;
+mod pool;
+mod schema;
+mod store;
+
+pub use config::{DEFAULT_BUSY_TIMEOUT, DEFAULT_POOL_SIZE, ENV_URL, SqliteConfig, Synchronous};
+pub use enqueue::{enqueue, enqueue_one};
+pub use error::sqlite_error;
+pub use inbox::SqliteTx;
+pub use schema::SCHEMA_VERSION;
+pub use store::SqliteStore;
+
+/// The `rusqlite` this crate is built with, so callers use the same `Connection` and
+/// `Transaction` types.
+pub use rusqlite;

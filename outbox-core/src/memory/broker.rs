@@ -191,6 +191,9 @@ impl MemorySubscription {
 #[async_trait]
 impl Subscription for MemorySubscription {
     async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+        if wait.is_zero() {
+            return Ok(self.try_next());
+        }
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let notified = self.broker.shared.notify.notified();

@@ -1,0 +1,444 @@
+//! The broker: publishing with confirms and `mandatory`, topology, and the connections.
+//!
+//! **One publish in flight per channel.** lapin hands a `basic.return` to whichever confirm it
+//! resolves next on that channel, not to the message that was returned (RabbitMQ's acks may come
+//! out of order or cover several messages at once). With several publishes in flight on one
+//! channel, an unroutable message could be reported as routed, and the relay would mark a row
+//! published that nobody received. So each publish owns a channel until its confirm arrives,
+//! and the confirm window is a pool of channels ([`AmqpConfig::publish_channels`]): RabbitMQ sends
+//! the return before the ack of the same message, so on a channel with one message in flight
+//! the pairing is exact. A channel whose publish ended in an error or a timeout is thrown away,
+//! so a late return cannot be paired with the next message.
+//!
+//! **Two connections**, one for publishing and one for consuming, as RabbitMQ recommends: when
+//! the server blocks publishers (memory or disk alarm) the consumers' acknowledgements still flow.
+//! Each is rebuilt on the next operation after it broke.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use async_trait::async_trait;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use outbox_core::{Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, Result, Subscription};
+use tokio::sync::Semaphore;
+use tracing::{debug, warn};
+
+use crate::codec;
+use crate::config::{AmqpConfig, QueueType};
+use crate::error::{BACKEND, Op, from_lapin};
+use crate::subscription::AmqpSubscription;
+
+/// AMQP reply code of a `basic.return` for a message no queue is bound to receive.
+const NO_ROUTE: u16 = 312;
+/// Binding key that makes a topic exchange deliver everything to the queue.
+const BIND_ALL: &str = "#";
+
+/// A RabbitMQ [`Broker`]. Cheap to clone: clones share the connections and the channel pool.
+///
+/// Nothing is connected until the first operation; a broken connection is reopened by the next
+/// one.
+#[derive(Clone)]
+pub struct AmqpBroker {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) config: AmqpConfig,
+    publisher: Slot,
+    consumer: Slot,
+    idle: Mutex<Vec<Channel>>,
+    window: Semaphore,
+}
+
+/// One lazily (re)opened connection.
+struct Slot {
+    role: &'static str,
+    connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl AmqpBroker {
+    /// A broker for `config`. Does not connect yet.
+    pub fn new(config: AmqpConfig) -> Self {
+        let window = Semaphore::new(config.publish_channels());
+        Self {
+            inner: Arc::new(Inner {
+                publisher: Slot::new("publish"),
+                consumer: Slot::new("consume"),
+                idle: Mutex::new(Vec::new()),
+                window,
+                config,
+            }),
+        }
+    }
+
+    /// A broker for the URL in `OUTBOX_AMQP_URL` ([`AmqpConfig::from_env`]).
+    ///
+    /// # Errors
+    /// As [`AmqpConfig::from_env`].
+    pub fn from_env() -> Result<Self> {
+        Ok(Self::new(AmqpConfig::from_env()?))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AmqpConfig {
+        &self.inner.config
+    }
+
+    /// Open both connections now (and check the credentials), instead of on first use.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Connection`] (transient) when the server cannot be reached.
+    pub async fn connect(&self) -> Result<()> {
+        self.inner.connection(&self.inner.publisher).await?;
+        self.inner.connection(&self.inner.consumer).await?;
+        Ok(())
+    }
+
+    /// [`Broker::subscribe`] with the concrete type (which can tell its queue name).
+    ///
+    /// # Errors
+    /// As [`Broker::subscribe`].
+    pub async fn subscription(&self, destination: &Destination, group: &ConsumerGroup) -> Result<AmqpSubscription> {
+        let mut subscription = AmqpSubscription::new(self.inner.clone(), destination.clone(), group.clone())?;
+        subscription.start().await?;
+        Ok(subscription)
+    }
+
+    /// Messages ready in the queue of `group` on `destination` (not counting deliveries that are
+    /// in flight to a consumer). For tests and operators.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] (transient) when the queue does not exist; connection errors.
+    pub async fn queue_depth(&self, destination: &Destination, group: &ConsumerGroup) -> Result<u32> {
+        let queue = self.inner.config.queue_name(destination, group)?;
+        let channel = self.inner.topology_channel().await?;
+        let declared = channel
+            .queue_declare(queue.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, empty())
+            .await
+            .map_err(|e| from_lapin(e, Op::Topology, &format!("queue {queue}")))?;
+        close(channel);
+        Ok(declared.message_count())
+    }
+
+    /// Delete the queues of `groups` on `destination`, then its exchange (with every message in
+    /// them). Deleting what does not exist is not an error. For tests and operators.
+    ///
+    /// # Errors
+    /// Connection errors; [`ErrorKind::Config`] when the server refuses (permissions).
+    pub async fn delete(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
+        for group in groups {
+            let queue = self.inner.config.queue_name(destination, group)?;
+            let channel = self.inner.topology_channel().await?;
+            match channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await {
+                Ok(_) => close(channel),
+                Err(e) => return Err(from_lapin(e, Op::Topology, &format!("deleting queue {queue}"))),
+            }
+        }
+        let exchange = self.inner.config.exchange_name(destination)?;
+        let channel = self.inner.topology_channel().await?;
+        channel
+            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .map_err(|e| from_lapin(e, Op::Topology, &format!("deleting exchange {exchange}")))?;
+        close(channel);
+        Ok(())
+    }
+
+    /// Close both connections (publishes and subscriptions in flight fail). Dropping the last
+    /// clone and every subscription closes them too.
+    pub async fn close(&self) {
+        for slot in [&self.inner.publisher, &self.inner.consumer] {
+            if let Some(conn) = slot.connection.lock().await.take() {
+                let _ = conn.close(200, "OK".into()).await;
+            }
+        }
+        lock(&self.inner.idle).clear();
+    }
+}
+
+impl fmt::Debug for AmqpBroker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmqpBroker").field("config", &self.inner.config).finish_non_exhaustive()
+    }
+}
+
+impl Slot {
+    fn new(role: &'static str) -> Self {
+        Self { role, connection: tokio::sync::Mutex::new(None) }
+    }
+}
+
+fn empty() -> FieldTable {
+    FieldTable::default()
+}
+
+/// Close a channel in the background (a channel also closes when its last handle drops; this
+/// only makes it prompt and explicit).
+pub(crate) fn close(channel: Channel) {
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            let _ = channel.close(200, "OK".into()).await;
+        });
+    }
+}
+
+impl Inner {
+    /// The slot's connection, reopened if it is missing or broken.
+    async fn connection(&self, slot: &Slot) -> Result<Arc<Connection>> {
+        let mut guard = slot.connection.lock().await;
+        if let Some(conn) = guard.as_ref() {
+            if conn.status().connected() {
+                return Ok(conn.clone());
+            }
+            debug!(target: "outbox.amqp", role = slot.role, status = ?conn.status(), "connection lost; reconnecting");
+        }
+        *guard = None;
+        let config = &self.config;
+        let properties = ConnectionProperties::default()
+            .with_connection_name(format!("{} {}", config.connection_name(), slot.role).into());
+        let connect = Connection::connect_uri(config.amqp_uri(), properties);
+        let conn = match tokio::time::timeout(config.connect_timeout(), connect).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => return Err(from_lapin(e, Op::Connect, &config.redacted_url())),
+            Err(_) => {
+                return Err(Error::transient(
+                    ErrorKind::Connection,
+                    BACKEND,
+                    format!("connecting to {} timed out after {:?}", config.redacted_url(), config.connect_timeout()),
+                ));
+            }
+        };
+        let conn = Arc::new(conn);
+        *guard = Some(conn.clone());
+        Ok(conn)
+    }
+
+    async fn channel(&self, slot: &Slot) -> Result<Channel> {
+        let conn = self.connection(slot).await?;
+        // A connection that died silently (no heartbeat yet) can leave the open hanging.
+        match tokio::time::timeout(self.config.connect_timeout(), conn.create_channel()).await {
+            Ok(channel) => channel.map_err(|e| from_lapin(e, Op::Channel, slot.role)),
+            Err(_) => Err(Error::transient(
+                ErrorKind::Connection,
+                BACKEND,
+                format!("opening a {} channel timed out after {:?}", slot.role, self.config.connect_timeout()),
+            )),
+        }
+    }
+
+    /// A fresh channel for topology work: a failed declaration closes its channel, so these are
+    /// never shared.
+    async fn topology_channel(&self) -> Result<Channel> {
+        self.channel(&self.publisher).await
+    }
+
+    pub(crate) async fn consumer_channel(&self) -> Result<Channel> {
+        self.channel(&self.consumer).await
+    }
+
+    /// An idle publishing channel in confirm mode, or a new one.
+    async fn publish_channel(&self) -> Result<Channel> {
+        loop {
+            let Some(channel) = lock(&self.idle).pop() else { break };
+            if channel.status().connected() {
+                return Ok(channel);
+            }
+        }
+        let channel = self.channel(&self.publisher).await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| from_lapin(e, Op::Channel, "confirm.select"))?;
+        Ok(channel)
+    }
+
+    fn recycle(&self, channel: Channel) {
+        if channel.status().connected() {
+            lock(&self.idle).push(channel);
+        }
+    }
+
+    /// Declare (or, with `declare_topology` off, check) the exchange of `destination` and the
+    /// queue of each group, bound to receive everything.
+    pub(crate) async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
+        let exchange = self.config.exchange_name(destination)?;
+        let queues = groups.iter().map(|g| self.config.queue_name(destination, g)).collect::<Result<Vec<_>>>()?;
+        let channel = self.topology_channel().await?;
+        let passive = !self.config.declare_topology();
+        let missing = |what: String| {
+            move |e: lapin::Error| {
+                let err = from_lapin(e, Op::Topology, &what);
+                if passive && err.kind() == ErrorKind::Config && err.is_transient() {
+                    Error::transient(
+                        ErrorKind::Config,
+                        BACKEND,
+                        format!("{what} does not exist and declare_topology is off; create it first"),
+                    )
+                } else {
+                    err
+                }
+            }
+        };
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions { passive, durable: true, ..Default::default() },
+                empty(),
+            )
+            .await
+            .map_err(missing(format!("exchange {exchange}")))?;
+        for queue in &queues {
+            let mut arguments = empty();
+            if self.config.queue_type() == QueueType::Quorum {
+                arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+            }
+            channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions { passive, durable: true, ..Default::default() },
+                    arguments,
+                )
+                .await
+                .map_err(missing(format!("queue {queue}")))?;
+            if !passive {
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        exchange.as_str().into(),
+                        BIND_ALL.into(),
+                        QueueBindOptions::default(),
+                        empty(),
+                    )
+                    .await
+                    .map_err(|e| from_lapin(e, Op::Topology, &format!("binding {queue} to {exchange}")))?;
+            }
+        }
+        close(channel);
+        Ok(())
+    }
+
+    async fn publish(&self, event: &Event) -> Result<()> {
+        event.validate(self.config.max_payload())?;
+        let exchange = self.config.exchange_name(&event.destination)?;
+        let routing_key = self.config.routing_key_for(event)?;
+        let properties = codec::encode(event)?;
+        let _permit = self
+            .window
+            .acquire()
+            .await
+            .map_err(|_| Error::transient(ErrorKind::Closed, BACKEND, "the broker was closed"))?;
+        let channel = self.publish_channel().await?;
+        let confirm = match channel
+            .basic_publish(
+                exchange.as_str().into(),
+                routing_key.as_str().into(),
+                BasicPublishOptions { mandatory: true, immediate: false },
+                &event.payload,
+                properties,
+            )
+            .await
+        {
+            Ok(confirm) => confirm,
+            Err(e) => return Err(from_lapin(e, Op::Publish, &format!("event {} to {exchange}", event.id))),
+        };
+        let outcome = match tokio::time::timeout(self.config.confirm_timeout(), confirm).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                // A late confirm or return must not be paired with the next message: drop it.
+                close(channel);
+                return Err(Error::outcome_unknown(
+                    ErrorKind::Timeout,
+                    BACKEND,
+                    format!(
+                        "no publisher confirm for event {} on exchange {exchange} within {:?}; it may or may not have \
+                         been routed",
+                        event.id,
+                        self.config.confirm_timeout()
+                    ),
+                ));
+            }
+        };
+        match outcome {
+            Ok(Confirmation::Ack(None)) => {
+                self.recycle(channel);
+                Ok(())
+            }
+            Ok(Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned))) => {
+                self.recycle(channel);
+                let code = returned.reply_code;
+                let text = returned.reply_text.as_str().to_string();
+                if code == NO_ROUTE {
+                    Err(Error::transient(
+                        ErrorKind::Unroutable,
+                        BACKEND,
+                        format!(
+                            "event {} is unroutable: exchange {exchange} has no queue bound for routing key \
+                             {routing_key:?} (the broker returned it: {code} {text})",
+                            event.id
+                        ),
+                    ))
+                } else {
+                    Err(Error::transient(
+                        ErrorKind::Rejected,
+                        BACKEND,
+                        format!("event {} was returned by exchange {exchange}: {code} {text}", event.id),
+                    ))
+                }
+            }
+            Ok(Confirmation::Nack(None)) => {
+                self.recycle(channel);
+                Err(Error::transient(
+                    ErrorKind::Rejected,
+                    BACKEND,
+                    format!("the broker refused event {} (publisher nack from exchange {exchange})", event.id),
+                ))
+            }
+            Ok(Confirmation::NotRequested) => {
+                // Cannot happen on a channel in confirm mode; don't trust this channel again.
+                close(channel);
+                Err(Error::outcome_unknown(
+                    ErrorKind::Rejected,
+                    BACKEND,
+                    format!("publish of event {} got no confirm: the channel is not in confirm mode", event.id),
+                ))
+            }
+            Err(e) => {
+                let err = from_lapin(e, Op::Confirm, &format!("event {} to {exchange}", event.id));
+                warn!(target: "outbox.amqp", event_id = %event.id, error = %err, "publish failed");
+                close(channel);
+                Err(err)
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Broker for AmqpBroker {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    /// Declare a durable topic exchange for `destination` and, for each group, a durable queue
+    /// bound with `#`. With `declare_topology` off, only check that they exist.
+    async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
+        self.inner.declare(destination, groups).await
+    }
+
+    async fn publish(&self, event: &Event) -> Result<()> {
+        self.inner.publish(event).await
+    }
+
+    async fn subscribe(&self, destination: &Destination, group: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        Ok(Box::new(self.subscription(destination, group).await?))
+    }
+}

@@ -1,0 +1,210 @@
+//! A consumer on a group's queue, with manual acknowledgement.
+//!
+//! Each subscription has a channel of its own, so that closing it is exactly "this consumer went
+//! away": RabbitMQ requeues every delivery the channel holds unacknowledged, and they go to the
+//! other members of the group with the `redelivered` flag set.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions};
+use lapin::types::FieldTable;
+use lapin::{Acker, Channel, ChannelStatus, Consumer};
+use outbox_core::{Acknowledge, ConsumerGroup, Delivery, Destination, Error, ErrorKind, Result, Subscription};
+use tracing::{debug, warn};
+
+use crate::broker::{Inner, close};
+use crate::codec;
+use crate::error::{BACKEND, Op, from_lapin};
+
+/// A member of a consumer group: a consumer on the group's queue, on a channel of its own.
+///
+/// Dropping it closes the channel (in the background), which makes RabbitMQ requeue everything
+/// it left unacknowledged. After the channel or connection broke, [`next`](Subscription::next)
+/// returns one [`ErrorKind::Connection`] error and the following call consumes again on a new
+/// channel.
+pub struct AmqpSubscription {
+    inner: Arc<Inner>,
+    destination: Destination,
+    group: ConsumerGroup,
+    queue: String,
+    active: Option<Active>,
+}
+
+/// The channel being consumed on, and a flag its deliveries check before they settle.
+struct Active {
+    channel: Channel,
+    consumer: Consumer,
+    closed: Arc<AtomicBool>,
+}
+
+impl AmqpSubscription {
+    pub(crate) fn new(inner: Arc<Inner>, destination: Destination, group: ConsumerGroup) -> Result<Self> {
+        let queue = inner.config.queue_name(&destination, &group)?;
+        Ok(Self { inner, destination, group, queue, active: None })
+    }
+
+    /// The queue this subscription consumes from.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// Declare (or check) the topology and start consuming.
+    pub(crate) async fn start(&mut self) -> Result<()> {
+        self.inner.declare(&self.destination, std::slice::from_ref(&self.group)).await?;
+        let channel = self.inner.consumer_channel().await?;
+        channel
+            .basic_qos(self.inner.config.prefetch(), BasicQosOptions { global: false })
+            .await
+            .map_err(|e| from_lapin(e, Op::Consume, "basic.qos"))?;
+        let consumer = channel
+            .basic_consume(
+                self.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions { no_ack: false, ..Default::default() },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| from_lapin(e, Op::Consume, &format!("queue {}", self.queue)))?;
+        self.active = Some(Active { channel, consumer, closed: Arc::new(AtomicBool::new(false)) });
+        Ok(())
+    }
+
+    fn stop(&mut self) {
+        if let Some(Active { channel, consumer, closed }) = self.active.take() {
+            // From now on this member's deliveries belong to the group again: refuse to settle
+            // them, even before the channel's close has reached the server.
+            closed.store(true, Ordering::SeqCst);
+            drop(consumer);
+            close(channel);
+        }
+    }
+
+    async fn deliver(
+        &self,
+        delivery: lapin::message::Delivery,
+        active: (ChannelStatus, Arc<AtomicBool>),
+    ) -> Result<Delivery> {
+        let lapin::message::Delivery { redelivered, properties, data, acker, .. } = delivery;
+        match codec::decode(&self.destination, &properties, data) {
+            Ok(event) => {
+                let attempt = codec::attempt(self.inner.config.queue_type(), &properties, redelivered);
+                Ok(Delivery::new(
+                    event,
+                    redelivered,
+                    attempt,
+                    Box::new(AmqpAck { acker, queue: self.queue.clone(), status: active.0, closed: active.1 }),
+                ))
+            }
+            Err(err) => {
+                // Not an outbox message: it would come back forever. Reject it without requeue,
+                // so it goes to the queue's dead-letter exchange if one is configured.
+                warn!(target: "outbox.amqp", queue = %self.queue, error = %err, "rejecting a message that is not an outbox event");
+                let _ = acker.reject(BasicRejectOptions { requeue: false }).await;
+                Err(err)
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Subscription for AmqpSubscription {
+    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+        if self.active.is_none() {
+            debug!(target: "outbox.amqp", queue = %self.queue, "consuming again after a broken channel");
+            self.start().await?;
+        }
+        let Some(active) = self.active.as_mut() else {
+            return Err(Error::transient(ErrorKind::Closed, BACKEND, "subscription is not consuming"));
+        };
+        let settle = (active.channel.status().clone(), active.closed.clone());
+        match tokio::time::timeout(wait, active.consumer.next()).await {
+            Err(_) => Ok(None),
+            Ok(Some(Ok(delivery))) => self.deliver(delivery, settle).await.map(Some),
+            Ok(Some(Err(e))) => {
+                self.stop();
+                Err(from_lapin(e, Op::Consume, &format!("queue {}", self.queue)))
+            }
+            Ok(None) => {
+                self.stop();
+                Err(Error::transient(
+                    ErrorKind::Connection,
+                    BACKEND,
+                    format!("the consumer on queue {} was cancelled (channel closed or queue deleted)", self.queue),
+                ))
+            }
+        }
+    }
+}
+
+impl Drop for AmqpSubscription {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl fmt::Debug for AmqpSubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmqpSubscription")
+            .field("destination", &self.destination)
+            .field("group", &self.group)
+            .field("queue", &self.queue)
+            .field("consuming", &self.active.is_some())
+            .finish()
+    }
+}
+
+struct AmqpAck {
+    acker: Acker,
+    queue: String,
+    status: ChannelStatus,
+    closed: Arc<AtomicBool>,
+}
+
+impl AmqpAck {
+    /// The channel is gone or going, and with it the delivery, which RabbitMQ requeues. A
+    /// `basic.ack` sent now would be ignored by the server, so don't report it as done.
+    fn gone(&self, what: &str) -> Error {
+        Error::transient(
+            ErrorKind::Closed,
+            BACKEND,
+            format!("cannot {what}: the channel of queue {} closed; the message will be redelivered", self.queue),
+        )
+    }
+
+    fn usable(&self) -> bool {
+        !self.closed.load(Ordering::SeqCst) && self.status.connected()
+    }
+
+    fn settled(&self, sent: std::result::Result<bool, lapin::Error>, what: &str) -> Result<()> {
+        match sent {
+            Ok(true) => Ok(()),
+            // lapin did not send it: the channel closed meanwhile.
+            Ok(false) => Err(self.gone(what)),
+            Err(e) => Err(from_lapin(e, Op::Ack, &format!("{what} on queue {}", self.queue))),
+        }
+    }
+}
+
+#[async_trait]
+impl Acknowledge for AmqpAck {
+    async fn ack(self: Box<Self>) -> Result<()> {
+        if !self.usable() {
+            return Err(self.gone("ack"));
+        }
+        let sent = self.acker.ack(BasicAckOptions { multiple: false }).await;
+        self.settled(sent, "ack")
+    }
+
+    async fn nack(self: Box<Self>) -> Result<()> {
+        if !self.usable() {
+            return Err(self.gone("nack"));
+        }
+        let sent = self.acker.nack(BasicNackOptions { multiple: false, requeue: true }).await;
+        self.settled(sent, "nack")
+    }
+}

@@ -1,0 +1,913 @@
+//! The named cases. Scenario cases are data — events, an action script, expectations — run by
+//! one interpreter; the few that need real concurrency or talk to one component directly are
+//! functions. Names follow the failure classes (F1–F11) and the trait `# Behavior` bullets.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outbox_consumer_inbox::{EffectKind, Handled};
+use outbox_core::store::all_rows;
+use outbox_core::{Completion, Destination, ErrorKind, Event, EventId, Inbox, ManualClock, Outcome, RowStatus};
+
+use crate::harness::{Capability, Harness};
+use crate::invariants::{Violation, judge};
+use crate::script::{Action, parse_path};
+use crate::world::{CONSUMER, DurableState, LEASE, World, suite_consumer, suite_group};
+
+/// What a case checks after the full drain, beyond the generic invariants.
+#[derive(Debug, Clone)]
+pub enum Expect {
+    /// Sum of effect values for a subject (account balance).
+    Balance(&'static str, i64),
+    /// Number of inbox markers of the suite's consumer.
+    Markers(usize),
+    /// Number of dead letters with this reason.
+    DeadLetters(&'static str, usize),
+    /// At least this many copies of the event at this index on the broker.
+    OffersAtLeast(usize, usize),
+    /// The effect values in commit order (projections).
+    EffectValues(&'static [i64]),
+    /// The recovery consumer saw at least one duplicate (the redelivery was a no-op).
+    RecoverySawDuplicate,
+}
+
+/// How a case runs.
+#[derive(Debug, Clone)]
+pub enum Body {
+    /// An action script over the interpreter.
+    Script {
+        /// Event payloads, committed in one producer transaction, in row order.
+        payloads: &'static [&'static str],
+        /// The consumer's named effect.
+        kind: EffectKind,
+        /// The actions, in text form.
+        script: &'static str,
+        /// Extra expectations after the drain.
+        expect: &'static [Expect],
+    },
+    /// A function of the suite.
+    Function,
+}
+
+/// A named case.
+#[derive(Debug, Clone)]
+pub struct Case {
+    /// Test name.
+    pub name: &'static str,
+    /// Failure class or trait it belongs to.
+    pub class: &'static str,
+    /// The property it checks, as the design states it.
+    pub property: &'static str,
+    /// Capabilities it needs.
+    pub needs: &'static [Capability],
+    /// How it runs.
+    pub body: Body,
+}
+
+const CREDIT: &str = "credit:acct-1:7";
+
+/// Every case of the suite, in report order.
+pub fn all_cases() -> Vec<Case> {
+    use Body::{Function, Script};
+    use EffectKind::{Additive, Projection};
+    vec![
+        Case {
+            name: "f1_send_crash_expire_resend",
+            class: "F1",
+            property: "send, crash, lease expiry, resend: one business effect",
+            needs: &[],
+            body: Script {
+                payloads: &[CREDIT],
+                kind: Additive,
+                script: "claim(A) send(A) crash(A) expire claim(B) send(B) complete(B) check-completed(B,true) \
+                         consume commit ack consume commit ack check-effects(0,1)",
+                expect: &[Expect::OffersAtLeast(0, 2), Expect::Balance("acct-1", 7), Expect::Markers(1)],
+            },
+        },
+        Case {
+            name: "f2_stale_completion_rejected",
+            class: "F2",
+            property: "claim A, expire, claim B, A completes: stale completion rejected; B's completion accepted",
+            needs: &[],
+            body: Script {
+                payloads: &[CREDIT],
+                kind: Additive,
+                script: "claim(A) expire claim(B) send(A) complete(A) check-completed(A,false) send(B) complete(B) \
+                         check-completed(B,true)",
+                expect: &[Expect::OffersAtLeast(0, 2), Expect::Balance("acct-1", 7)],
+            },
+        },
+        Case {
+            name: "f3_broker_ack_lost",
+            class: "F3",
+            property: "broker acknowledgement lost: resend allowed; one effect",
+            needs: &[],
+            body: Script {
+                payloads: &[CREDIT],
+                kind: Additive,
+                script: "claim(A) lose-confirm(A) claim(A) send(A) complete(A) check-completed(A,true) \
+                         consume commit ack consume commit ack",
+                expect: &[Expect::OffersAtLeast(0, 2), Expect::Balance("acct-1", 7), Expect::Markers(1)],
+            },
+        },
+        Case {
+            name: "f4_consumer_ack_lost",
+            class: "F4",
+            property: "consumer commits effect, acknowledgement lost: redelivery causes no second effect",
+            needs: &[],
+            body: Script {
+                payloads: &[CREDIT],
+                kind: Additive,
+                script: "claim(A) send(A) complete(A) receive guard apply commit lose-ack crash(C) check-effects(0,1)",
+                expect: &[Expect::Balance("acct-1", 7), Expect::RecoverySawDuplicate],
+            },
+        },
+        Case {
+            name: "f5_concurrent_duplicates",
+            class: "F5",
+            property: "duplicate arrives concurrently: the uniqueness constraint serializes the effect; one effect",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "f6_projection_never_regresses",
+            class: "F6",
+            property: "event arrives after a newer version: projection does not move backward",
+            needs: &[],
+            body: Script {
+                payloads: &["proj:order-1:1", "proj:order-1:3", "proj:order-1:2"],
+                kind: Projection,
+                script: "claim(A) send(A) send(A) complete(A) claim(A) send(A) complete(A) \
+                         consume commit ack consume commit ack consume commit ack",
+                expect: &[Expect::EffectValues(&[1, 3])],
+            },
+        },
+        Case {
+            name: "f7_crash_after_marker_before_effect",
+            class: "F7",
+            property: "crash after the marker, before the effect: neither marker nor effect; redelivery applies once",
+            needs: &[],
+            body: Script {
+                payloads: &[CREDIT],
+                kind: Additive,
+                script: "claim(A) send(A) complete(A) receive guard crash(C) check-marker(0,false) check-effects(0,0)",
+                expect: &[Expect::Balance("acct-1", 7), Expect::Markers(1)],
+            },
+        },
+        Case {
+            name: "f8_crash_after_effect_before_commit",
+            class: "F8",
+            property: "crash after the effect, before commit: neither marker nor effect; redelivery applies once",
+            needs: &[],
+            body: Script {
+                payloads: &[CREDIT],
+                kind: Additive,
+                script: "claim(A) send(A) complete(A) receive guard apply crash(C) check-marker(0,false) \
+                         check-effects(0,0)",
+                expect: &[Expect::Balance("acct-1", 7), Expect::Markers(1)],
+            },
+        },
+        Case {
+            name: "f9_crash_after_commit_before_ack",
+            class: "F9",
+            property: "crash after commit, before ack: both marker and effect; redelivery is a no-op",
+            needs: &[],
+            body: Script {
+                payloads: &[CREDIT],
+                kind: Additive,
+                script: "claim(A) send(A) complete(A) receive guard apply commit crash(C) check-marker(0,true) \
+                         check-effects(0,1)",
+                expect: &[Expect::Balance("acct-1", 7), Expect::Markers(1), Expect::RecoverySawDuplicate],
+            },
+        },
+        Case {
+            name: "f10_same_id_different_payload",
+            class: "F10",
+            property: "same event id, different payload: conflict reported; no second effect",
+            needs: &[],
+            body: Script {
+                payloads: &[CREDIT],
+                kind: Additive,
+                script: "claim(A) send(A) complete(A) consume commit ack inject(0,credit:acct-1:9) consume commit ack",
+                expect: &[Expect::Balance("acct-1", 7), Expect::Markers(1), Expect::DeadLetters("conflict", 1)],
+            },
+        },
+        Case {
+            name: "f11_a7_b7_a7_c0",
+            class: "F11",
+            property: "deliver a:7, b:7, a:7, c:0: balance 14, three markers",
+            needs: &[],
+            body: Script {
+                payloads: &["credit:acct-1:7", "credit:acct-1:7", "credit:acct-1:0"],
+                kind: Additive,
+                script: "claim(A) send(A) send(A) complete(A) inject(0) claim(A) send(A) complete(A) \
+                         consume commit ack consume commit ack consume commit ack consume commit ack",
+                expect: &[Expect::Balance("acct-1", 14), Expect::Markers(3)],
+            },
+        },
+        Case {
+            name: "f11_c0_a7_b7_a7",
+            class: "F11",
+            property: "deliver c:0, a:7, b:7, a:7 (the other order): balance 14, three markers",
+            needs: &[],
+            body: Script {
+                payloads: &["credit:acct-1:7", "credit:acct-1:7", "credit:acct-1:0"],
+                kind: Additive,
+                script: "inject(2) inject(0) inject(1) inject(0) consume commit ack consume commit ack \
+                         consume commit ack consume commit ack",
+                expect: &[Expect::Balance("acct-1", 14), Expect::Markers(3)],
+            },
+        },
+        Case {
+            name: "broker_roundtrip_bytes",
+            class: "Broker::publish",
+            property: "event id, key, headers and payload arrive byte-for-byte (NUL, non-UTF-8)",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "broker_unacked_redelivered_after_consumer_goes_away",
+            class: "Broker::subscribe",
+            property: "an unacknowledged delivery comes back after its subscription is dropped",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "broker_acked_not_redelivered",
+            class: "Broker::subscribe",
+            property: "an acknowledged delivery is not delivered to the group again",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "broker_nack_redelivers",
+            class: "Acknowledge::nack",
+            property: "a negative acknowledgement makes the message come back",
+            needs: &[Capability::Nack],
+            body: Function,
+        },
+        Case {
+            name: "broker_redelivery_is_flagged",
+            class: "Broker::subscribe",
+            property: "a redelivery carries the redelivered flag or a delivery count above 1",
+            needs: &[Capability::RedeliveryInfo],
+            body: Function,
+        },
+        Case {
+            name: "broker_unroutable_is_error",
+            class: "Broker::publish",
+            property: "publishing to a destination that cannot route is an Unroutable error",
+            needs: &[Capability::DetectsUnroutable],
+            body: Function,
+        },
+        Case {
+            name: "store_claim_skips_live_leases",
+            class: "OutboxStore::claim",
+            property: "concurrent claims never return a row while its lease is valid; every claim increments the token",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "store_token_fences_same_owner",
+            class: "OutboxStore::complete",
+            property: "the token, not the owner name, fences: an older claim by the same owner is rejected",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "store_transitions_are_token_conditional",
+            class: "OutboxStore::fail/park/extend/release",
+            property: "a stale token changes nothing",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "store_fail_backoff_park_requeue_purge",
+            class: "OutboxStore::fail/park",
+            property: "fail counts an attempt and delays; parked rows are never claimed until requeued",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "store_enqueue_rejects_bad_batches",
+            class: "OutboxStore::enqueue",
+            property: "an oversized or duplicate event rejects the whole batch and writes nothing",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "store_stats",
+            class: "OutboxStore::stats",
+            property: "counts by status and the age of the oldest pending row",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "permutations",
+            class: "permutations",
+            property: "interleavings with crashes, expiries and lost acks: no lost, duplicated, ghost or stale",
+            needs: &[],
+            body: Function,
+        },
+    ]
+}
+
+/// A failure, with everything needed to understand and replay it.
+#[derive(Debug, Clone)]
+pub struct Counterexample {
+    /// The case.
+    pub case: String,
+    /// Seed of a randomized run.
+    pub seed: Option<u64>,
+    /// The action path (text form; replay with [`crate::replay`]).
+    pub path: String,
+    /// What broke.
+    pub violations: Vec<String>,
+    /// What each action did.
+    pub trace: Vec<String>,
+    /// Durable state after the run.
+    pub state: String,
+}
+
+impl std::fmt::Display for Counterexample {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "counterexample in {}", self.case)?;
+        if let Some(seed) = self.seed {
+            writeln!(f, "  seed: {seed} (replay: OUTBOX_TEST_SEED={seed})")?;
+        }
+        writeln!(f, "  path: {}", self.path)?;
+        for v in &self.violations {
+            writeln!(f, "  violated: {v}")?;
+        }
+        writeln!(f, "  trace:")?;
+        for t in &self.trace {
+            writeln!(f, "    {t}")?;
+        }
+        write!(f, "  durable state:\n{}", self.state)
+    }
+}
+
+/// The result of one case.
+#[derive(Debug, Clone)]
+pub enum CaseResult {
+    /// Passed, with a note (counts, sizes).
+    Passed(String),
+    /// Failed.
+    Failed(Box<Counterexample>),
+    /// Not run: the backend lacks a capability.
+    Skipped(Capability),
+}
+
+impl CaseResult {
+    fn fail(case: &str, path: &str, msg: impl Into<String>) -> Self {
+        Self::Failed(Box::new(Counterexample {
+            case: case.into(),
+            seed: None,
+            path: path.into(),
+            violations: vec![msg.into()],
+            trace: vec![],
+            state: String::new(),
+        }))
+    }
+}
+
+fn expectations(state: &DurableState, expect: &[Expect]) -> Vec<Violation> {
+    let mut v = Vec::new();
+    for e in expect {
+        let problem = match e {
+            Expect::Balance(acct, total) => {
+                let got: i64 = state.effects.iter().filter(|r| r.subject == *acct).map(|r| r.value).sum();
+                (got != *total).then(|| format!("balance of {acct} is {got}, expected {total}"))
+            }
+            Expect::Markers(n) => {
+                (state.markers.len() != *n).then(|| format!("{} markers, expected {n}", state.markers.len()))
+            }
+            Expect::DeadLetters(reason, n) => {
+                let got = state.dead_letters.iter().filter(|(_, r)| r == reason).count();
+                (got != *n).then(|| format!("{got} dead letters with reason {reason}, expected {n}"))
+            }
+            Expect::OffersAtLeast(i, n) => {
+                let id = &state.events[*i].id;
+                let got = state.offers.get(id).copied().unwrap_or(0);
+                (got < *n).then(|| format!("{id} is on the broker {got} times, expected at least {n}"))
+            }
+            Expect::EffectValues(values) => {
+                let got: Vec<i64> = state.effects.iter().map(|r| r.value).collect();
+                (got != *values).then(|| format!("effect values {got:?}, expected {values:?}"))
+            }
+            Expect::RecoverySawDuplicate => (!state.recovery.contains(&Handled::Duplicate))
+                .then(|| format!("the redelivery was not seen as a duplicate: {:?}", state.recovery)),
+        };
+        v.extend(problem.map(Violation::Expectation));
+    }
+    v
+}
+
+/// Run a script on a fresh fixture and judge the durable state.
+///
+/// # Errors
+/// Never for contract violations (those are in the result); `Err` only for setup failures.
+pub async fn run_script<H: Harness>(
+    harness: &H,
+    case: &str,
+    payloads: &[&str],
+    kind: EffectKind,
+    path: &[Action],
+    expect: &[Expect],
+    seed: Option<u64>,
+) -> outbox_core::Result<CaseResult> {
+    let mut world = World::new(harness, case, payloads, kind).await?;
+    let text = crate::script::path_to_string(path);
+    let mut violations = Vec::new();
+    for a in path {
+        if let Err(e) = world.step(a).await {
+            if crate::world::is_no_op(&e) {
+                world.trace.push(format!("{a} → {e}"));
+                continue;
+            }
+            violations.push(Violation::Expectation(format!("{a}: {e}")));
+            break;
+        }
+    }
+    let trace = std::mem::take(&mut world.trace);
+    let state = world.finish().await?;
+    let judgement = judge(&state, kind);
+    violations.extend(judgement.violations);
+    violations.extend(expectations(&state, expect));
+    if violations.is_empty() {
+        return Ok(CaseResult::Passed(format!("duplicates offered: {}", judgement.duplicates_offered)));
+    }
+    Ok(CaseResult::Failed(Box::new(Counterexample {
+        case: case.into(),
+        seed,
+        path: text,
+        violations: violations.iter().map(ToString::to_string).collect(),
+        trace,
+        state: state.to_string(),
+    })))
+}
+
+/// Run one case by name.
+///
+/// # Errors
+/// Setup failures (server unreachable, fixture could not be built).
+pub async fn run_case<H: Harness>(harness: &H, case: &Case) -> outbox_core::Result<CaseResult> {
+    let caps = harness.capabilities();
+    if let Some(missing) = case.needs.iter().find(|c| !caps.has(**c)) {
+        return Ok(CaseResult::Skipped(*missing));
+    }
+    match &case.body {
+        Body::Script { payloads, kind, script, expect } => {
+            let path = parse_path(script).map_err(|e| outbox_core::Error::invalid_input("suite", e))?;
+            run_script(harness, case.name, payloads, *kind, &path, expect, None).await
+        }
+        Body::Function => match case.name {
+            "f5_concurrent_duplicates" => f5_concurrent_duplicates(harness).await,
+            "broker_roundtrip_bytes" => broker_roundtrip_bytes(harness).await,
+            "broker_unacked_redelivered_after_consumer_goes_away" => broker_unacked_redelivered(harness, false).await,
+            "broker_redelivery_is_flagged" => broker_unacked_redelivered(harness, true).await,
+            "broker_acked_not_redelivered" => broker_acked_not_redelivered(harness).await,
+            "broker_nack_redelivers" => broker_nack_redelivers(harness).await,
+            "broker_unroutable_is_error" => broker_unroutable_is_error(harness).await,
+            "store_claim_skips_live_leases" => store_claim_skips_live_leases(harness).await,
+            "store_token_fences_same_owner" => store_token_fences_same_owner(harness).await,
+            "store_transitions_are_token_conditional" => store_transitions_are_token_conditional(harness).await,
+            "store_fail_backoff_park_requeue_purge" => store_fail_backoff_park_requeue_purge(harness).await,
+            "store_enqueue_rejects_bad_batches" => store_enqueue_rejects_bad_batches(harness).await,
+            "store_stats" => store_stats(harness).await,
+            "permutations" => crate::explore::permutations_case(harness).await,
+            other => Err(outbox_core::Error::invalid_input("suite", format!("unknown case {other}"))),
+        },
+    }
+}
+
+macro_rules! ensure {
+    ($case:expr, $cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
+        }
+    };
+}
+
+async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "f5_concurrent_duplicates";
+    const ROUNDS: usize = 10;
+    let payloads = [CREDIT; ROUNDS];
+    let world = World::new(h, CASE, &payloads, EffectKind::Additive).await?;
+    let fx = world.fixture();
+    let wait = h.capabilities().delivery_wait;
+    let events = world.events().to_vec();
+    let consumer = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let other = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    for e in &events {
+        // Two copies of each event on the broker: the consumer sees them back to back.
+        fx.broker.publish(e).await?;
+        fx.broker.publish(e).await?;
+        let mut pair = Vec::new();
+        let deadline = Instant::now() + wait.max(Duration::from_secs(5)) * 2;
+        while pair.len() < 2 && Instant::now() < deadline {
+            if let Some(d) = sub.next(wait.max(Duration::from_millis(50))).await? {
+                pair.push(d);
+            }
+        }
+        ensure!(CASE, pair.len() == 2, "expected two copies of {} on the broker, got {}", e.id, pair.len());
+        // Both start guarding at once; each then waits (bounded) for the other to have guarded
+        // too, so that both transactions are open together. A store whose guard blocks the
+        // second transaction (row lock, single writer) releases it when the first commits after
+        // the bounded wait.
+        let start = Arc::new(tokio::sync::Barrier::new(2));
+        let guarded = Arc::new(tokio::sync::Barrier::new(2));
+        let mut tasks = Vec::new();
+        for (d, c) in pair.into_iter().zip([consumer.clone(), other.clone()]) {
+            let (start, guarded) = (start.clone(), guarded.clone());
+            let mut f = c.receive(d);
+            tasks.push(tokio::spawn(async move {
+                start.wait().await;
+                let ok = f.guard().await.is_ok();
+                let _ = tokio::time::timeout(Duration::from_millis(250), guarded.wait()).await;
+                if ok && f.apply().await.is_ok() {
+                    let _ = f.commit().await;
+                }
+                f.acknowledge().await
+            }));
+        }
+        for t in tasks {
+            t.await.map_err(|e| outbox_core::Error::invalid_input("suite", e.to_string()))??;
+        }
+    }
+    // Losers were negatively acknowledged: their redeliveries must be duplicates.
+    consumer.drain(sub.as_mut(), wait).await?;
+    drop(sub);
+    let effects = fx.effects.rows().await?;
+    let mut counts: BTreeMap<&EventId, usize> = BTreeMap::new();
+    for r in &effects {
+        *counts.entry(&r.event_id).or_default() += 1;
+    }
+    for e in &events {
+        let n = counts.get(&e.id).copied().unwrap_or(0);
+        ensure!(CASE, n == 1, "duplicated or lost effect under concurrency: {} effects for {}", n, e.id);
+    }
+    let markers = fx.inbox.markers(CONSUMER).await?.len();
+    ensure!(CASE, markers == ROUNDS, "{markers} markers, expected {ROUNDS}");
+    Ok(CaseResult::Passed(format!("{ROUNDS} rounds of two concurrent copies: one effect each")))
+}
+
+fn tricky_event(destination: &Destination, tag: &str) -> outbox_core::Result<Event> {
+    let payload: Vec<u8> = vec![0, 159, 146, 150, 0, 255, b'\n', 0xc3, 0x28, 0];
+    Ok(Event::new(EventId::new(format!("rt.{tag}:id!~#%&*"))?, destination.clone(), payload)
+        .with_key("key ünïcode/with:separators")
+        .with_header("bin", vec![0u8, 1, 2, 255, 0])
+        .with_header("empty", Vec::new())
+        .with_header("utf8", "héllo".as_bytes().to_vec()))
+}
+
+async fn fresh_broker<H: Harness>(
+    h: &H,
+    case: &str,
+) -> outbox_core::Result<(crate::harness::Fixture<H::Inbox>, Duration)> {
+    let fx = h.fixture(case, ManualClock::default()).await?;
+    fx.broker.declare(&fx.destination, &[suite_group()]).await?;
+    Ok((fx, h.capabilities().delivery_wait))
+}
+
+async fn receive_within(
+    sub: &mut dyn outbox_core::Subscription,
+    wait: Duration,
+) -> outbox_core::Result<Option<outbox_core::Delivery>> {
+    // Wait for a condition with a deadline: several polls within the backend's delivery wait.
+    let deadline = Instant::now() + wait.max(Duration::from_millis(200)) * 3;
+    loop {
+        if let Some(d) = sub.next(wait.max(Duration::from_millis(10))).await? {
+            return Ok(Some(d));
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
+        }
+    }
+}
+
+async fn broker_roundtrip_bytes<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_roundtrip_bytes";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let tag = crate::world::unique_tag();
+    let with_key = tricky_event(&fx.destination, &tag)?;
+    let mut no_key = Event::new(EventId::new(format!("rt.{tag}.nokey"))?, fx.destination.clone(), Vec::new());
+    no_key.key = None;
+    fx.broker.publish(&with_key).await?;
+    fx.broker.publish(&no_key).await?;
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let Some(d) = receive_within(sub.as_mut(), wait).await? else { break };
+        got.push(d.event.clone());
+        d.ack().await?;
+    }
+    got.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut want = vec![with_key, no_key];
+    want.sort_by(|a, b| a.id.cmp(&b.id));
+    for (g, w) in got.iter().zip(&want) {
+        ensure!(CASE, g.id == w.id, "event id changed: {:?} != {:?}", g.id, w.id);
+        ensure!(CASE, g.payload == w.payload, "payload of {} changed: {:?} != {:?}", w.id, g.payload, w.payload);
+        ensure!(CASE, g.key == w.key, "key of {} changed: {:?} != {:?}", w.id, g.key, w.key);
+        ensure!(CASE, g.headers == w.headers, "headers of {} changed: {:?} != {:?}", w.id, g.headers, w.headers);
+        ensure!(CASE, g.destination == w.destination, "destination changed");
+    }
+    ensure!(CASE, got.len() == 2, "received {} of 2 events", got.len());
+    Ok(CaseResult::Passed("2 events byte-for-byte".into()))
+}
+
+async fn broker_unacked_redelivered<H: Harness>(h: &H, flagged: bool) -> outbox_core::Result<CaseResult> {
+    let case =
+        if flagged { "broker_redelivery_is_flagged" } else { "broker_unacked_redelivered_after_consumer_goes_away" };
+    let (fx, wait) = fresh_broker(h, case).await?;
+    let e =
+        Event::new(EventId::new(format!("u.{}", crate::world::unique_tag()))?, fx.destination.clone(), b"x".to_vec());
+    fx.broker.publish(&e).await?;
+    let mut first = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let d = receive_within(first.as_mut(), wait).await?;
+    ensure!(case, d.as_ref().is_some_and(|d| d.event.id == e.id), "first delivery missing");
+    drop(d); // never acknowledged
+    drop(first); // the consumer goes away
+    let broker = (fx.restart_broker)();
+    let mut second = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let again = receive_within(second.as_mut(), wait).await?;
+    let Some(again) = again else {
+        return Ok(CaseResult::fail(case, "", format!("{} was not redelivered after its consumer went away", e.id)));
+    };
+    ensure!(case, again.event == e, "redelivered a different message");
+    if flagged {
+        ensure!(
+            case,
+            again.redelivered || again.attempt.is_some_and(|a| a >= 2),
+            "redelivery not flagged: redelivered={} attempt={:?}",
+            again.redelivered,
+            again.attempt
+        );
+    }
+    let note = format!("redelivered={} attempt={:?}", again.redelivered, again.attempt);
+    again.ack().await?;
+    Ok(CaseResult::Passed(note))
+}
+
+async fn broker_acked_not_redelivered<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_acked_not_redelivered";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let tag = crate::world::unique_tag();
+    let a = Event::new(EventId::new(format!("a.{tag}"))?, fx.destination.clone(), b"a".to_vec());
+    let b = Event::new(EventId::new(format!("b.{tag}"))?, fx.destination.clone(), b"b".to_vec());
+    fx.broker.publish(&a).await?;
+    fx.broker.publish(&b).await?;
+    let mut first = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let mut acked = None;
+    let mut held = Vec::new();
+    while acked.is_none() {
+        let Some(d) = receive_within(first.as_mut(), wait).await? else { break };
+        if d.event.id == a.id {
+            acked = Some(d.event.id.clone());
+            d.ack().await?;
+        } else {
+            held.push(d); // b stays unacknowledged
+        }
+    }
+    ensure!(CASE, acked.is_some(), "{} never arrived", a.id);
+    drop(held);
+    drop(first);
+    let broker = (fx.restart_broker)();
+    let mut second = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let mut seen = Vec::new();
+    while let Some(d) = receive_within(second.as_mut(), wait).await? {
+        seen.push(d.event.id.clone());
+        d.ack().await?;
+        if seen.len() > 4 {
+            break;
+        }
+    }
+    ensure!(CASE, !seen.contains(&a.id), "acknowledged {} was delivered again: {seen:?}", a.id);
+    ensure!(CASE, seen.contains(&b.id), "unacknowledged {} was not delivered again: {seen:?}", b.id);
+    Ok(CaseResult::Passed(format!("after restart the group saw {seen:?}")))
+}
+
+async fn broker_nack_redelivers<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_nack_redelivers";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let e =
+        Event::new(EventId::new(format!("n.{}", crate::world::unique_tag()))?, fx.destination.clone(), b"x".to_vec());
+    fx.broker.publish(&e).await?;
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let Some(d) = receive_within(sub.as_mut(), wait).await? else {
+        return Ok(CaseResult::fail(CASE, "", "first delivery missing"));
+    };
+    d.nack().await?;
+    let again = receive_within(sub.as_mut(), wait).await?;
+    ensure!(CASE, again.as_ref().is_some_and(|d| d.event == e), "nacked {} did not come back", e.id);
+    if let Some(d) = again {
+        d.ack().await?;
+    }
+    Ok(CaseResult::Passed("nacked message came back".into()))
+}
+
+async fn broker_unroutable_is_error<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_unroutable_is_error";
+    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    let nowhere = Destination::new(format!("{}-nowhere", fx.destination))?;
+    let e = Event::new(EventId::new(format!("x.{}", crate::world::unique_tag()))?, nowhere.clone(), b"x".to_vec());
+    match fx.broker.publish(&e).await {
+        Ok(()) => Ok(CaseResult::fail(CASE, "", format!("publishing to undeclared {nowhere} succeeded"))),
+        Err(err) if err.kind() == ErrorKind::Unroutable => Ok(CaseResult::Passed(format!("{err}"))),
+        Err(err) => {
+            Ok(CaseResult::fail(CASE, "", format!("expected an Unroutable error, got {:?}: {err}", err.kind())))
+        }
+    }
+}
+
+async fn store_fixture<H: Harness>(
+    h: &H,
+    case: &str,
+    n: usize,
+) -> outbox_core::Result<(crate::harness::Fixture<H::Inbox>, ManualClock, Vec<Event>)> {
+    let clock = ManualClock::default();
+    let fx = h.fixture(case, clock.clone()).await?;
+    let tag = crate::world::unique_tag();
+    let events: Vec<Event> = (0..n)
+        .map(|i| Ok(Event::new(EventId::new(format!("{case}.{tag}.{i}"))?, fx.destination.clone(), vec![i as u8])))
+        .collect::<outbox_core::Result<_>>()?;
+    fx.store.enqueue(&events).await?;
+    Ok((fx, clock, events))
+}
+
+async fn store_claim_skips_live_leases<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_claim_skips_live_leases";
+    let (fx, clock, _) = store_fixture(h, CASE, 1).await?;
+    let a = fx.store.claim("relay-A", 10, LEASE).await?;
+    ensure!(CASE, a.len() == 1, "first claim returned {} rows", a.len());
+    let b = fx.store.claim("relay-B", 10, LEASE).await?;
+    ensure!(CASE, b.is_empty(), "a row under a live lease was claimed again (token {})", b[0].lease.token);
+    clock.advance(LEASE / 2);
+    ensure!(CASE, fx.store.claim("relay-B", 10, LEASE).await?.is_empty(), "claimed before the lease expired");
+    clock.advance(LEASE);
+    let b = fx.store.claim("relay-B", 10, LEASE).await?;
+    ensure!(CASE, b.len() == 1, "expired lease not claimable");
+    ensure!(
+        CASE,
+        b[0].lease.token > a[0].lease.token,
+        "token did not increase: {} then {}",
+        a[0].lease.token,
+        b[0].lease.token
+    );
+    let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(
+        CASE,
+        rows[0].token == b[0].lease.token && rows[0].owner.as_deref() == Some("relay-B"),
+        "row {:?}",
+        rows[0]
+    );
+    Ok(CaseResult::Passed(format!("tokens {} then {}", a[0].lease.token, b[0].lease.token)))
+}
+
+async fn store_token_fences_same_owner<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_token_fences_same_owner";
+    let (fx, clock, _) = store_fixture(h, CASE, 1).await?;
+    let first = fx.store.claim("relay-A", 1, LEASE).await?.remove(0);
+    clock.advance(LEASE * 2);
+    let second = fx.store.claim("relay-A", 1, LEASE).await?;
+    ensure!(CASE, second.len() == 1, "expired row not claimable by its old owner");
+    let second = &second[0];
+    ensure!(CASE, second.lease.token > first.lease.token, "token not incremented on re-claim");
+    let stale = fx.store.complete(first.record.row_id, &first.lease).await?;
+    ensure!(CASE, stale == Completion::Fenced, "completion with the older token was {stale:?}");
+    let row = all_rows(fx.store.as_ref()).await?.remove(0);
+    ensure!(CASE, row.published_token.is_none(), "fenced completion changed the row: {row:?}");
+    let ok = fx.store.complete(second.record.row_id, &second.lease).await?;
+    ensure!(CASE, ok == Completion::Published, "latest token's completion was {ok:?}");
+    let row = all_rows(fx.store.as_ref()).await?.remove(0);
+    ensure!(CASE, row.status == RowStatus::Published && row.published_token == Some(second.lease.token), "{row:?}");
+    let again = fx.store.complete(second.record.row_id, &second.lease).await?;
+    ensure!(CASE, again == Completion::Fenced, "completing a published row again was {again:?}");
+    Ok(CaseResult::Passed("older token fenced, latest published".into()))
+}
+
+async fn store_transitions_are_token_conditional<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_transitions_are_token_conditional";
+    let (fx, _clock, _) = store_fixture(h, CASE, 1).await?;
+    let c = fx.store.claim("relay-A", 1, LEASE).await?.remove(0);
+    let before = all_rows(fx.store.as_ref()).await?.remove(0);
+    let stale = outbox_core::Lease { token: c.lease.token + 1, ..c.lease.clone() };
+    let other = outbox_core::Lease { owner: "relay-B".into(), ..c.lease.clone() };
+    for lease in [&stale, &other] {
+        let outcomes = [
+            ("fail", fx.store.fail(c.record.row_id, lease, Duration::ZERO, "x").await?),
+            ("park", fx.store.park(c.record.row_id, lease, "x").await?),
+            ("extend", fx.store.extend(c.record.row_id, lease, LEASE).await?),
+            ("release", fx.store.release(c.record.row_id, lease).await?),
+        ];
+        for (op, o) in outcomes {
+            ensure!(CASE, o == Outcome::Fenced, "{op} with a lease that is not the row's ({lease:?}) was {o:?}");
+        }
+        let done = fx.store.complete(c.record.row_id, lease).await?;
+        ensure!(CASE, done == Completion::Fenced, "complete with a foreign lease was {done:?}");
+    }
+    let after = all_rows(fx.store.as_ref()).await?.remove(0);
+    ensure!(CASE, after == before, "fenced calls changed the row:\n before {before:?}\n after {after:?}");
+    ensure!(
+        CASE,
+        fx.store.release(c.record.row_id, &c.lease).await? == Outcome::Applied,
+        "release with the right lease"
+    );
+    let r = all_rows(fx.store.as_ref()).await?.remove(0);
+    ensure!(CASE, r.status == RowStatus::Pending && r.attempts == 0, "released row: {r:?}");
+    ensure!(CASE, fx.store.claim("relay-B", 1, LEASE).await?.len() == 1, "released row is claimable at once");
+    Ok(CaseResult::Passed("8 fenced calls changed nothing".into()))
+}
+
+async fn store_fail_backoff_park_requeue_purge<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_fail_backoff_park_requeue_purge";
+    let (fx, clock, _) = store_fixture(h, CASE, 2).await?;
+    let c = fx.store.claim("relay-A", 2, LEASE).await?;
+    ensure!(CASE, c.len() == 2, "claimed {}", c.len());
+    let o = fx.store.fail(c[0].record.row_id, &c[0].lease, Duration::from_secs(5), "broker down").await?;
+    ensure!(CASE, o == Outcome::Applied, "fail was {o:?}");
+    let o = fx.store.park(c[1].record.row_id, &c[1].lease, "too large").await?;
+    ensure!(CASE, o == Outcome::Applied, "park was {o:?}");
+    let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(CASE, rows[0].attempts == 1 && rows[0].last_error.as_deref() == Some("broker down"), "{:?}", rows[0]);
+    ensure!(CASE, rows[1].status == RowStatus::Parked, "{:?}", rows[1]);
+    clock.advance(Duration::from_secs(4));
+    ensure!(CASE, fx.store.claim("relay-B", 10, LEASE).await?.is_empty(), "claimed before retry time or a parked row");
+    clock.advance(Duration::from_secs(1));
+    let again = fx.store.claim("relay-B", 10, LEASE).await?;
+    ensure!(CASE, again.len() == 1 && again[0].record.row_id == c[0].record.row_id, "after backoff: {again:?}");
+    ensure!(CASE, again[0].record.attempts == 1, "attempts not carried: {}", again[0].record.attempts);
+    let parked = fx.store.list_parked(10).await?;
+    ensure!(CASE, parked.len() == 1 && parked[0].reason == "too large", "parked list {parked:?}");
+    ensure!(CASE, fx.store.requeue_parked(&[c[1].record.row_id]).await? == 1, "requeue");
+    let re = fx.store.claim("relay-B", 10, LEASE).await?;
+    ensure!(CASE, re.len() == 1 && re[0].record.row_id == c[1].record.row_id, "requeued row not claimable: {re:?}");
+    let o = fx.store.park(re[0].record.row_id, &re[0].lease, "again").await?;
+    ensure!(CASE, o == Outcome::Applied, "second park was {o:?}");
+    ensure!(CASE, fx.store.purge_parked(&[c[0].record.row_id]).await? == 0, "purged a row that is not parked");
+    ensure!(CASE, fx.store.purge_parked(&[c[1].record.row_id]).await? == 1, "purge of a parked row");
+    let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(CASE, rows.len() == 1 && rows[0].row_id == c[0].record.row_id, "after purge: {rows:?}");
+    Ok(CaseResult::Passed("backoff, park, requeue and purge".into()))
+}
+
+async fn store_enqueue_rejects_bad_batches<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_enqueue_rejects_bad_batches";
+    let (fx, _clock, existing) = store_fixture(h, CASE, 1).await?;
+    let tag = crate::world::unique_tag();
+    let ok = Event::new(EventId::new(format!("ok.{tag}"))?, fx.destination.clone(), b"fine".to_vec());
+    let big = Event::new(
+        EventId::new(format!("big.{tag}"))?,
+        fx.destination.clone(),
+        vec![7u8; outbox_core::event::DEFAULT_MAX_PAYLOAD + 1],
+    );
+    let err = fx.store.enqueue(&[ok.clone(), big]).await;
+    ensure!(CASE, matches!(&err, Err(e) if e.kind() == ErrorKind::TooLarge), "oversized payload: {err:?}");
+    let err = fx.store.enqueue(&[ok.clone(), existing[0].clone()]).await;
+    ensure!(CASE, matches!(&err, Err(e) if e.kind() == ErrorKind::Conflict), "duplicate id: {err:?}");
+    let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(CASE, rows.len() == 1 && rows[0].event == existing[0], "a rejected batch wrote rows: {rows:?}");
+    Ok(CaseResult::Passed("TooLarge and Conflict, nothing written".into()))
+}
+
+async fn store_stats<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_stats";
+    let (fx, clock, _) = store_fixture(h, CASE, 4).await?;
+    clock.advance(Duration::from_secs(3));
+    let c = fx.store.claim("relay-A", 3, LEASE).await?;
+    let _ = fx.store.complete(c[0].record.row_id, &c[0].lease).await?;
+    let _ = fx.store.park(c[1].record.row_id, &c[1].lease, "bad").await?;
+    let s = fx.store.stats().await?;
+    ensure!(
+        CASE,
+        (s.pending, s.leased, s.parked, s.published) == (1, 1, 1, 1),
+        "pending/leased/parked/published = {}/{}/{}/{}",
+        s.pending,
+        s.leased,
+        s.parked,
+        s.published
+    );
+    ensure!(
+        CASE,
+        s.oldest_pending_age == Some(Duration::from_secs(3)),
+        "oldest pending age {:?}",
+        s.oldest_pending_age
+    );
+    Ok(CaseResult::Passed(format!("{s:?}")))
+}
+
+/// Replay a path printed by a counterexample on `harness`.
+///
+/// # Errors
+/// A path that does not parse, or setup failures.
+pub async fn replay<H: Harness>(
+    harness: &H,
+    payloads: &[&str],
+    kind: EffectKind,
+    path: &str,
+) -> outbox_core::Result<CaseResult> {
+    let actions = parse_path(path).map_err(|e| outbox_core::Error::invalid_input("suite", e))?;
+    run_script(harness, "replay", payloads, kind, &actions, &[], None).await
+}

@@ -1,0 +1,95 @@
+//! The entry point for backend authors: one named test per case, skipped cases reported as
+//! ignored with the capability they need — never as passed.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use libtest_mimic::{Arguments, Failed, Trial};
+
+use crate::cases::{Case, CaseResult, all_cases, run_case};
+use crate::harness::Harness;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("cannot build a tokio runtime: {e}"))
+}
+
+/// Run every case against `harness` as a test binary (`harness = false` in the backend's
+/// `[[test]]` section). Accepts the usual test-harness arguments (filters, `--list`,
+/// `--test-threads`).
+pub fn main<H: Harness>(harness: H) -> ExitCode {
+    let args = Arguments::from_args();
+    let harness = Arc::new(harness);
+    let caps = harness.capabilities();
+    eprintln!("conformance suite against {}", harness.name());
+    let trials = all_cases()
+        .into_iter()
+        .map(|case| {
+            let missing = case.needs.iter().copied().find(|c| !caps.has(*c));
+            if let Some(cap) = missing {
+                eprintln!("SKIPPED {}: the backend lacks the capability `{cap}`", case.name);
+            }
+            let h = harness.clone();
+            let c = case.clone();
+            let trial = Trial::test(case.name, move || run_trial(h.as_ref(), &c)).with_kind(case.class);
+            trial.with_ignored_flag(missing.is_some())
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit_code()
+}
+
+fn run_trial<H: Harness>(harness: &H, case: &Case) -> Result<(), Failed> {
+    let started = Instant::now();
+    let result = runtime().block_on(run_case(harness, case));
+    match result {
+        Ok(CaseResult::Passed(note)) => {
+            eprintln!("{} passed in {:.2?}: {note}", case.name, started.elapsed());
+            Ok(())
+        }
+        Ok(CaseResult::Failed(c)) => Err(format!("{}\nproperty: {}\n{c}", case.class, case.property).into()),
+        Ok(CaseResult::Skipped(cap)) => Err(format!("skipped: the backend lacks the capability `{cap}`").into()),
+        Err(e) => Err(format!("{}: setup failed: {e}", case.name).into()),
+    }
+}
+
+/// Run every case and return the results in report order (for programs that print a table).
+pub async fn run_all<H: Harness>(harness: &H) -> Vec<(Case, Result<CaseResult, outbox_core::Error>)> {
+    let mut out = Vec::new();
+    for case in all_cases() {
+        let r = run_case(harness, &case).await;
+        out.push((case, r));
+    }
+    out
+}
+
+/// A plain-text table of results: case, class, property, verdict (with why for skips and
+/// failures), and counterexamples after it. Returns the text and whether everything that ran
+/// passed.
+pub fn table(results: &[(Case, Result<CaseResult, outbox_core::Error>)]) -> (String, bool) {
+    let mut ok = true;
+    let mut text = format!("{:<52} {:<22} {:<8} property\n", "case", "class", "verdict");
+    let mut details = String::new();
+    for (case, r) in results {
+        let verdict = match r {
+            Ok(CaseResult::Passed(_)) => "pass".to_string(),
+            Ok(CaseResult::Skipped(cap)) => format!("skipped (needs {cap})"),
+            Ok(CaseResult::Failed(c)) => {
+                ok = false;
+                details.push_str(&format!("\n{c}\n"));
+                "FAIL".to_string()
+            }
+            Err(e) => {
+                ok = false;
+                details.push_str(&format!("\n{}: setup failed: {e}\n", case.name));
+                "ERROR".to_string()
+            }
+        };
+        text.push_str(&format!("{:<52} {:<22} {:<8} {}\n", case.name, case.class, verdict, case.property));
+    }
+    text.push_str(&details);
+    (text, ok)
+}

@@ -1,0 +1,110 @@
+//! Writing outbox rows inside the caller's own transaction.
+//!
+//! This is the half of the pattern that makes it transactional: the domain write and the outbox
+//! row commit or roll back together, on the caller's connection. The rows are written inside a
+//! savepoint, so a rejected batch leaves the caller's transaction exactly as it was and the
+//! caller decides whether to commit its domain write anyway.
+
+use outbox_core::event::DEFAULT_MAX_PAYLOAD;
+use outbox_core::{Clock, Error, ErrorKind, Event, Result, RowId, SystemClock, Timestamp};
+use rusqlite::{Connection, Transaction};
+
+use crate::codec::encode_headers;
+use crate::error::{BACKEND, ResultExt, map};
+
+/// Enqueue `events` in the caller's transaction `tx`, stamped with the system clock and checked
+/// against [`DEFAULT_MAX_PAYLOAD`].
+///
+/// The rows become visible to relays when `tx` commits, and vanish if it rolls back. To use a
+/// store's configured clock and payload limit (tests with a `ManualClock`, a non-default
+/// `max_payload`), call [`SqliteStore::enqueue_in`](crate::SqliteStore::enqueue_in) instead.
+/// Open the connection with [`SqliteConfig::open_connection`](crate::SqliteConfig::open_connection)
+/// and start `tx` with `TransactionBehavior::Immediate` so it does not fail half-way on a lock.
+///
+/// # Errors
+/// - [`ErrorKind::InvalidInput`] / [`ErrorKind::TooLarge`] from [`Event::validate`], before
+///   anything is written;
+/// - [`ErrorKind::Conflict`] when an event id is already stored (or repeated in `events`); the
+///   message names the id;
+/// - SQLite errors, converted.
+///
+/// On any error nothing of `events` is written and `tx` is still open and usable.
+pub fn enqueue(tx: &Transaction<'_>, events: &[Event]) -> Result<Vec<RowId>> {
+    insert_events(tx, events, SystemClock.now(), DEFAULT_MAX_PAYLOAD)
+}
+
+/// [`enqueue`] for one event.
+///
+/// # Errors
+/// As [`enqueue`].
+pub fn enqueue_one(tx: &Transaction<'_>, event: &Event) -> Result<RowId> {
+    enqueue(tx, std::slice::from_ref(event))?
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::permanent(ErrorKind::Rejected, BACKEND, "enqueue returned no row id"))
+}
+
+/// Validate, then insert inside a savepoint on `conn` (which is in a transaction or not).
+pub(crate) fn insert_events(
+    conn: &Connection,
+    events: &[Event],
+    now: Timestamp,
+    max_payload: usize,
+) -> Result<Vec<RowId>> {
+    for e in events {
+        e.validate(max_payload)?;
+    }
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let what = "enqueue";
+    conn.execute_batch("SAVEPOINT outbox_enqueue").ctx(what)?;
+    match insert_rows(conn, events, now) {
+        Ok(ids) => {
+            conn.execute_batch("RELEASE outbox_enqueue").ctx(what)?;
+            Ok(ids)
+        }
+        Err(e) => {
+            // Undo this batch only; the caller's own writes in the transaction stay.
+            let _ = conn.execute_batch("ROLLBACK TO outbox_enqueue; RELEASE outbox_enqueue");
+            Err(e)
+        }
+    }
+}
+
+fn insert_rows(conn: &Connection, events: &[Event], now: Timestamp) -> Result<Vec<RowId>> {
+    let mut stmt = conn
+        .prepare_cached(
+            "INSERT INTO outbox_rows
+                 (event_id, destination, event_key, headers, payload, attempts, token, available_at, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, 0, 0, ?6, ?6)",
+        )
+        .ctx("enqueue")?;
+    let mut ids = Vec::with_capacity(events.len());
+    for e in events {
+        let inserted = stmt.execute((
+            e.id.as_str(),
+            e.destination.as_str(),
+            e.key.as_deref(),
+            encode_headers(&e.headers),
+            &e.payload,
+            now.0,
+        ));
+        match inserted {
+            Ok(_) => ids.push(conn.last_insert_rowid()),
+            Err(err) => {
+                let mapped = map("enqueue", err);
+                if mapped.kind() == ErrorKind::Conflict {
+                    // event_id is the table's only unique column besides the row id.
+                    return Err(Error::permanent(
+                        ErrorKind::Conflict,
+                        BACKEND,
+                        format!("event id {} is already in the outbox; nothing of the batch was written", e.id),
+                    ));
+                }
+                return Err(mapped);
+            }
+        }
+    }
+    Ok(ids)
+}

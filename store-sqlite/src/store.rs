@@ -1,0 +1,624 @@
+//! The outbox table and its state machine, in SQL.
+//!
+//! Every transition is one conditional `UPDATE` inside a `BEGIN IMMEDIATE` transaction: SQLite
+//! has a single writer per file, so taking the write lock up front is what makes two relays'
+//! claims serialize instead of both reading the same pending row. "Now" is read from the
+//! store's clock after the lock is taken and passed to SQL as a parameter; SQLite's own clock is
+//! never used, so an injected clock decides every expiry.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::{
+    Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxRecord, OutboxStats, OutboxStore,
+    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, SystemClock, Timestamp,
+};
+use rusqlite::types::Value;
+use rusqlite::{Connection, Transaction, TransactionBehavior};
+
+use crate::codec::decode_headers;
+use crate::config::SqliteConfig;
+use crate::enqueue::insert_events;
+use crate::error::{BACKEND, ResultExt, corrupt, map_commit};
+use crate::pool::Pool;
+use crate::schema;
+
+/// The columns [`RawRow::read`] expects, in order.
+macro_rules! row_columns {
+    () => {
+        "row_id, event_id, destination, event_key, headers, payload, attempts, token, owner, lease_expires_at, \
+         available_at, created_at, published_token, parked_at, last_error"
+    };
+}
+
+/// The fencing check, on parameters `?1` row id, `?2` token, `?3` owner.
+macro_rules! holds_lease {
+    () => {
+        "row_id = ?1 AND token = ?2 AND owner = ?3 AND published_token IS NULL AND parked_at IS NULL"
+    };
+}
+
+/// Outbox store and inbox on one SQLite file.
+///
+/// A cheaply cloneable handle: clones share the connection pool. It implements
+/// [`OutboxStore`] and [`Inbox`](outbox_core::Inbox) (with [`SqliteTx`](crate::SqliteTx) as
+/// the transaction), so one value serves relays and consumers.
+#[derive(Clone, Debug)]
+pub struct SqliteStore {
+    pool: Arc<Pool>,
+    clock: SharedClock,
+}
+
+impl SqliteStore {
+    /// Open (creating if needed) the database of `config`, apply pending migrations, and use the
+    /// system clock.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] for invalid settings; [`ErrorKind::Corrupt`] for a file that is not
+    /// a database or whose schema is newer than this code; other SQLite errors, converted.
+    pub async fn open(config: SqliteConfig) -> Result<Self> {
+        Self::open_with_clock(config, Arc::new(SystemClock)).await
+    }
+
+    /// [`open`](SqliteStore::open) with an injected clock: every lease, retry time and
+    /// timestamp is read from `clock` (tests use a `ManualClock` to expire leases without
+    /// sleeping).
+    ///
+    /// # Errors
+    /// As [`open`](SqliteStore::open).
+    pub async fn open_with_clock(config: SqliteConfig, clock: SharedClock) -> Result<Self> {
+        config.validate()?;
+        let migrate_clock = Arc::clone(&clock);
+        let (config, conn) = blocking(move || {
+            let mut conn = config.open_connection()?;
+            schema::migrate(&mut conn, migrate_clock.now())?;
+            Ok((config, conn))
+        })
+        .await?;
+        tracing::debug!(target: "outbox.sqlite", path = %config.path.display(), "opened");
+        Ok(Self { pool: Pool::new(config, conn), clock })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.pool.config().path
+    }
+
+    /// The settings the store was opened with.
+    pub fn config(&self) -> &SqliteConfig {
+        self.pool.config()
+    }
+
+    /// The clock the store reads "now" from.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
+    /// A new connection to the same file with the same settings, outside the pool, for the
+    /// caller's own transactions (domain write + [`enqueue_in`](SqliteStore::enqueue_in)).
+    /// Blocking, like every `rusqlite` call.
+    ///
+    /// # Errors
+    /// As [`SqliteConfig::open_connection`].
+    pub fn connect_raw(&self) -> Result<Connection> {
+        self.pool.config().open_connection()
+    }
+
+    /// Enqueue `events` in the caller's transaction `tx` with this store's clock and payload
+    /// limit. Blocking. Same rules as the free function [`enqueue`](crate::enqueue).
+    ///
+    /// # Errors
+    /// As [`enqueue`](crate::enqueue).
+    pub fn enqueue_in(&self, tx: &Transaction<'_>, events: &[Event]) -> Result<Vec<RowId>> {
+        insert_events(tx, events, self.clock.now(), self.pool.config().max_payload)
+    }
+
+    /// [`enqueue_in`](SqliteStore::enqueue_in) for one event.
+    ///
+    /// # Errors
+    /// As [`enqueue`](crate::enqueue).
+    pub fn enqueue_one_in(&self, tx: &Transaction<'_>, event: &Event) -> Result<RowId> {
+        self.enqueue_in(tx, std::slice::from_ref(event))?
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::permanent(ErrorKind::Rejected, BACKEND, "enqueue returned no row id"))
+    }
+
+    /// The schema version recorded in the file.
+    ///
+    /// # Errors
+    /// SQLite errors, converted.
+    pub async fn schema_version(&self) -> Result<i64> {
+        self.pool
+            .run(|conn| {
+                conn.query_row("SELECT COALESCE(MAX(version), 0) FROM outbox_schema_version", [], |r| r.get(0))
+                    .ctx("read the schema version")
+            })
+            .await
+    }
+
+    /// Run `f` on a pooled connection, outside any transaction (each statement commits on its
+    /// own), on the blocking pool: for reading application tables back or creating them from
+    /// async code. For writes that must commit with an inbox marker use
+    /// [`SqliteTx::run`](crate::SqliteTx::run) instead.
+    ///
+    /// A transaction `f` leaves open is rolled back (the connection is closed, not reused).
+    ///
+    /// # Errors
+    /// The SQLite error of `f`, converted as by [`sqlite_error`](crate::sqlite_error).
+    pub async fn with_connection<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    {
+        self.pool.run(move |conn| f(conn).map_err(crate::error::sqlite_error)).await
+    }
+
+    pub(crate) fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// A token-conditional `UPDATE` (`sql` uses `?1..?3` for the lease, `?4..` for `extra(now)`).
+    async fn conditional<F>(
+        &self,
+        what: &'static str,
+        sql: &'static str,
+        row: RowId,
+        lease: &Lease,
+        extra: F,
+    ) -> Result<Outcome>
+    where
+        F: FnOnce(Timestamp) -> Vec<Value> + Send + 'static,
+    {
+        let Ok(token) = i64::try_from(lease.token) else { return Ok(Outcome::Fenced) };
+        let owner = lease.owner.clone();
+        let clock = Arc::clone(&self.clock);
+        self.pool
+            .run(move |conn| {
+                write_tx(conn, what, |tx| {
+                    let mut params = vec![Value::Integer(row), Value::Integer(token), Value::Text(owner)];
+                    params.extend(extra(clock.now()));
+                    let n = tx.prepare_cached(sql).ctx(what)?.execute(rusqlite::params_from_iter(params)).ctx(what)?;
+                    Ok(if n == 1 { Outcome::Applied } else { Outcome::Fenced })
+                })
+            })
+            .await
+    }
+}
+
+/// Run blocking work on tokio's blocking pool, re-raising its panic.
+pub(crate) async fn blocking<T, F>(f: F) -> Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T> + Send + 'static,
+{
+    match tokio::task::spawn_blocking(f).await {
+        Ok(out) => out,
+        Err(e) => match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(_) => Err(Error::permanent(ErrorKind::Closed, BACKEND, "blocking task was cancelled")),
+        },
+    }
+}
+
+/// Run `f` in a `BEGIN IMMEDIATE` transaction; rolled back if `f` or the commit fails.
+pub(crate) fn write_tx<T>(
+    conn: &mut Connection,
+    what: &str,
+    f: impl FnOnce(&Transaction<'_>) -> Result<T>,
+) -> Result<T> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).ctx(what)?;
+    let out = f(&tx)?;
+    tx.commit().map_err(|e| map_commit(what, e))?;
+    Ok(out)
+}
+
+fn to_sql_limit(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+/// A row as SQLite returns it.
+struct RawRow {
+    row_id: i64,
+    event_id: String,
+    destination: String,
+    key: Option<String>,
+    headers: Vec<u8>,
+    payload: Vec<u8>,
+    attempts: i64,
+    token: i64,
+    owner: Option<String>,
+    lease_expires_at: Option<i64>,
+    available_at: i64,
+    created_at: i64,
+    published_token: Option<i64>,
+    parked_at: Option<i64>,
+    last_error: Option<String>,
+}
+
+impl RawRow {
+    fn read(r: &rusqlite::Row<'_>) -> rusqlite::Result<Self> {
+        Ok(Self {
+            row_id: r.get(0)?,
+            event_id: r.get(1)?,
+            destination: r.get(2)?,
+            key: r.get(3)?,
+            headers: r.get(4)?,
+            payload: r.get(5)?,
+            attempts: r.get(6)?,
+            token: r.get(7)?,
+            owner: r.get(8)?,
+            lease_expires_at: r.get(9)?,
+            available_at: r.get(10)?,
+            created_at: r.get(11)?,
+            published_token: r.get(12)?,
+            parked_at: r.get(13)?,
+            last_error: r.get(14)?,
+        })
+    }
+
+    fn decode(self) -> Result<StoredRow> {
+        let row = self.row_id;
+        let bad =
+            |what: &str, e: Error| corrupt(format!("outbox row {row}: stored {what} is invalid: {}", e.message()));
+        let id = EventId::new(self.event_id).map_err(|e| bad("event id", e))?;
+        let destination = Destination::new(self.destination).map_err(|e| bad("destination", e))?;
+        let headers = decode_headers(&self.headers).map_err(|e| bad("headers", e))?;
+        let unsigned = |what: &str, v: i64| {
+            u64::try_from(v).map_err(|_| corrupt(format!("outbox row {row}: {what} {v} is negative")))
+        };
+        Ok(StoredRow {
+            row_id: row,
+            event: Event { id, destination, key: self.key, headers, payload: self.payload },
+            attempts: u32::try_from(self.attempts)
+                .map_err(|_| corrupt(format!("outbox row {row}: attempts {} out of range", self.attempts)))?,
+            token: unsigned("token", self.token)?,
+            owner: self.owner,
+            lease_expires_at: self.lease_expires_at.map(Timestamp),
+            available_at: Timestamp(self.available_at),
+            created_at: Timestamp(self.created_at),
+            published_token: self.published_token.map(|t| unsigned("published token", t)).transpose()?,
+            parked_at: self.parked_at.map(Timestamp),
+            last_error: self.last_error,
+        })
+    }
+}
+
+/// A decoded row.
+struct StoredRow {
+    row_id: RowId,
+    event: Event,
+    attempts: u32,
+    token: u64,
+    owner: Option<String>,
+    lease_expires_at: Option<Timestamp>,
+    available_at: Timestamp,
+    created_at: Timestamp,
+    published_token: Option<u64>,
+    parked_at: Option<Timestamp>,
+    last_error: Option<String>,
+}
+
+impl StoredRow {
+    /// Same rule as the reference model.
+    fn status(&self, now: Timestamp) -> RowStatus {
+        if self.published_token.is_some() {
+            RowStatus::Published
+        } else if self.parked_at.is_some() {
+            RowStatus::Parked
+        } else if self.lease_expires_at.is_some_and(|e| e > now) {
+            RowStatus::Leased
+        } else {
+            RowStatus::Pending
+        }
+    }
+
+    fn into_record(self) -> OutboxRecord {
+        OutboxRecord { row_id: self.row_id, event: self.event, attempts: self.attempts, created_at: self.created_at }
+    }
+
+    fn into_snapshot(self, now: Timestamp) -> RowSnapshot {
+        RowSnapshot {
+            status: self.status(now),
+            row_id: self.row_id,
+            attempts: self.attempts,
+            token: self.token,
+            owner: self.owner,
+            lease_expires_at: self.lease_expires_at,
+            published_token: self.published_token,
+            available_at: self.available_at,
+            created_at: self.created_at,
+            last_error: self.last_error,
+            event: self.event,
+        }
+    }
+}
+
+fn query_rows(conn: &Connection, what: &str, sql: &str, params: impl rusqlite::Params) -> Result<Vec<StoredRow>> {
+    let mut stmt = conn.prepare_cached(sql).ctx(what)?;
+    let raw = stmt.query_map(params, RawRow::read).ctx(what)?.collect::<rusqlite::Result<Vec<_>>>().ctx(what)?;
+    raw.into_iter().map(RawRow::decode).collect()
+}
+
+#[async_trait]
+impl OutboxStore for SqliteStore {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
+        let max_payload = self.pool.config().max_payload;
+        for e in events {
+            e.validate(max_payload)?;
+        }
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let events = events.to_vec();
+        let clock = Arc::clone(&self.clock);
+        self.pool
+            .run(move |conn| write_tx(conn, "enqueue", |tx| insert_events(tx, &events, clock.now(), max_payload)))
+            .await
+    }
+
+    async fn claim(&self, owner: &str, limit: usize, lease: Duration) -> Result<Vec<Claimed>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let owner = owner.to_string();
+        let clock = Arc::clone(&self.clock);
+        let limit = to_sql_limit(limit);
+        self.pool
+            .run(move |conn| {
+                write_tx(conn, "claim", |tx| {
+                    let now = clock.now();
+                    let expires_at = now.plus(lease);
+                    let mut rows = query_rows(
+                        tx,
+                        "claim",
+                        concat!(
+                            "UPDATE outbox_rows SET token = token + 1, owner = ?1, lease_expires_at = ?2
+                             WHERE row_id IN (
+                                 SELECT row_id FROM outbox_rows
+                                 WHERE published_token IS NULL AND parked_at IS NULL
+                                   AND available_at <= ?3
+                                   AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
+                                 ORDER BY row_id LIMIT ?4)
+                             RETURNING ",
+                            row_columns!()
+                        ),
+                        (&owner, expires_at.0, now.0, limit),
+                    )?;
+                    rows.sort_by_key(|r| r.row_id);
+                    Ok(rows
+                        .into_iter()
+                        .map(|r| Claimed {
+                            lease: Lease { owner: owner.clone(), token: r.token, expires_at },
+                            record: r.into_record(),
+                        })
+                        .collect())
+                })
+            })
+            .await
+    }
+
+    async fn complete(&self, row: RowId, lease: &Lease) -> Result<Completion> {
+        let out = self.complete_many(&[(row, lease.clone())]).await?;
+        Ok(out.into_iter().next().unwrap_or(Completion::Fenced))
+    }
+
+    async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = rows.to_vec();
+        let clock = Arc::clone(&self.clock);
+        self.pool
+            .run(move |conn| {
+                write_tx(conn, "complete", |tx| {
+                    let now = clock.now();
+                    let mut stmt = tx
+                        .prepare_cached(concat!(
+                            "UPDATE outbox_rows SET published_token = token, published_at = ?4, lease_expires_at = NULL
+                             WHERE ",
+                            holds_lease!()
+                        ))
+                        .ctx("complete")?;
+                    let mut out = Vec::with_capacity(rows.len());
+                    for (row, lease) in &rows {
+                        let n = match i64::try_from(lease.token) {
+                            Ok(token) => stmt.execute((row, token, &lease.owner, now.0)).ctx("complete")?,
+                            Err(_) => 0,
+                        };
+                        out.push(if n == 1 { Completion::Published } else { Completion::Fenced });
+                    }
+                    Ok(out)
+                })
+            })
+            .await
+    }
+
+    async fn fail(&self, row: RowId, lease: &Lease, retry_after: Duration, error: &str) -> Result<Outcome> {
+        let error = error.to_string();
+        self.conditional(
+            "fail",
+            concat!(
+                "UPDATE outbox_rows SET attempts = attempts + 1, owner = NULL, lease_expires_at = NULL,
+                     available_at = ?4, last_error = ?5
+                 WHERE ",
+                holds_lease!()
+            ),
+            row,
+            lease,
+            move |now| vec![Value::Integer(now.plus(retry_after).0), Value::Text(error)],
+        )
+        .await
+    }
+
+    async fn park(&self, row: RowId, lease: &Lease, reason: &str) -> Result<Outcome> {
+        let reason = reason.to_string();
+        self.conditional(
+            "park",
+            concat!(
+                "UPDATE outbox_rows SET owner = NULL, lease_expires_at = NULL, parked_at = ?4, last_error = ?5
+                 WHERE ",
+                holds_lease!()
+            ),
+            row,
+            lease,
+            move |now| vec![Value::Integer(now.0), Value::Text(reason)],
+        )
+        .await
+    }
+
+    async fn extend(&self, row: RowId, lease: &Lease, by: Duration) -> Result<Outcome> {
+        self.conditional(
+            "extend",
+            concat!("UPDATE outbox_rows SET lease_expires_at = ?4 WHERE ", holds_lease!()),
+            row,
+            lease,
+            move |now| vec![Value::Integer(now.plus(by).0)],
+        )
+        .await
+    }
+
+    async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome> {
+        self.conditional(
+            "release",
+            concat!(
+                "UPDATE outbox_rows SET owner = NULL, lease_expires_at = NULL, available_at = ?4 WHERE ",
+                holds_lease!()
+            ),
+            row,
+            lease,
+            move |now| vec![Value::Integer(now.0)],
+        )
+        .await
+    }
+
+    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
+        let limit = to_sql_limit(limit);
+        self.pool
+            .run(move |conn| {
+                let rows = query_rows(
+                    conn,
+                    "list parked rows",
+                    concat!(
+                        "SELECT ",
+                        row_columns!(),
+                        " FROM outbox_rows WHERE parked_at IS NOT NULL ORDER BY row_id LIMIT ?1"
+                    ),
+                    [limit],
+                )?;
+                Ok(rows
+                    .into_iter()
+                    .filter_map(|r| {
+                        let parked_at = r.parked_at?;
+                        let reason = r.last_error.clone().unwrap_or_default();
+                        Some(ParkedRow { record: r.into_record(), reason, parked_at })
+                    })
+                    .collect())
+            })
+            .await
+    }
+
+    async fn requeue_parked(&self, rows: &[RowId]) -> Result<u64> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let rows = rows.to_vec();
+        let clock = Arc::clone(&self.clock);
+        self.pool
+            .run(move |conn| {
+                write_tx(conn, "requeue parked rows", |tx| {
+                    let now = clock.now();
+                    let mut stmt = tx
+                        .prepare_cached(
+                            "UPDATE outbox_rows SET parked_at = NULL, attempts = 0, available_at = ?2
+                             WHERE row_id = ?1 AND parked_at IS NOT NULL AND published_token IS NULL",
+                        )
+                        .ctx("requeue parked rows")?;
+                    let mut n = 0u64;
+                    for row in &rows {
+                        n += stmt.execute((row, now.0)).ctx("requeue parked rows")? as u64;
+                    }
+                    Ok(n)
+                })
+            })
+            .await
+    }
+
+    async fn purge_parked(&self, rows: &[RowId]) -> Result<u64> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let rows = rows.to_vec();
+        self.pool
+            .run(move |conn| {
+                write_tx(conn, "purge parked rows", |tx| {
+                    let mut stmt = tx
+                        .prepare_cached("DELETE FROM outbox_rows WHERE row_id = ?1 AND parked_at IS NOT NULL")
+                        .ctx("purge parked rows")?;
+                    let mut n = 0u64;
+                    for row in &rows {
+                        n += stmt.execute([row]).ctx("purge parked rows")? as u64;
+                    }
+                    Ok(n)
+                })
+            })
+            .await
+    }
+
+    async fn stats(&self) -> Result<OutboxStats> {
+        let clock = Arc::clone(&self.clock);
+        self.pool
+            .run(move |conn| {
+                let now = clock.now();
+                let (published, parked, leased, pending, oldest): (i64, i64, i64, i64, Option<i64>) = conn
+                    .prepare_cached(
+                        "SELECT
+                             COALESCE(SUM(published_token IS NOT NULL), 0),
+                             COALESCE(SUM(published_token IS NULL AND parked_at IS NOT NULL), 0),
+                             COALESCE(SUM(published_token IS NULL AND parked_at IS NULL
+                                          AND lease_expires_at IS NOT NULL AND lease_expires_at > ?1), 0),
+                             COALESCE(SUM(published_token IS NULL AND parked_at IS NULL
+                                          AND (lease_expires_at IS NULL OR lease_expires_at <= ?1)), 0),
+                             MIN(CASE WHEN published_token IS NULL AND parked_at IS NULL
+                                           AND (lease_expires_at IS NULL OR lease_expires_at <= ?1)
+                                      THEN created_at END)
+                         FROM outbox_rows",
+                    )
+                    .ctx("stats")?
+                    .query_row([now.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+                    .ctx("stats")?;
+                let count = |v: i64| u64::try_from(v).unwrap_or(0);
+                Ok(OutboxStats {
+                    pending: count(pending),
+                    leased: count(leased),
+                    parked: count(parked),
+                    published: count(published),
+                    oldest_pending_age: oldest.map(|o| now.since(Timestamp(o))),
+                })
+            })
+            .await
+    }
+
+    async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {
+        let limit = to_sql_limit(limit);
+        let clock = Arc::clone(&self.clock);
+        self.pool
+            .run(move |conn| {
+                let now = clock.now();
+                let rows = query_rows(
+                    conn,
+                    "inspect",
+                    concat!("SELECT ", row_columns!(), " FROM outbox_rows WHERE row_id > ?1 ORDER BY row_id LIMIT ?2"),
+                    (after, limit),
+                )?;
+                Ok(rows.into_iter().map(|r| r.into_snapshot(now)).collect())
+            })
+            .await
+    }
+}

@@ -36,9 +36,9 @@ pub struct Bounds {
 
 impl Default for Bounds {
     /// 2 relays × 2 events × 1 consumer, ≤ 1 crash, ≤ 1 expiry, ≤ 1 lost ack, paths up to
-    /// `OUTBOX_EXPLORE_DEPTH` (default 9) actions.
+    /// `OUTBOX_EXPLORE_DEPTH` (default 7) actions.
     fn default() -> Self {
-        let max_depth = std::env::var("OUTBOX_EXPLORE_DEPTH").ok().and_then(|v| v.parse().ok()).unwrap_or(9);
+        let max_depth = std::env::var("OUTBOX_EXPLORE_DEPTH").ok().and_then(|v| v.parse().ok()).unwrap_or(7);
         Self { events: 2, crashes: 1, expiries: 1, lost_acks: 1, max_depth }
     }
 }

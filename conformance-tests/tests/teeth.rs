@@ -37,3 +37,21 @@ async fn every_wrong_variant_is_caught() {
     }
     assert!(escaped.is_empty(), "wrong variants that passed the whole suite: {escaped:?}");
 }
+
+/// The reference backends explored deeper than the default bound (10 actions), exhaustively.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reference_backends_survive_a_deeper_exploration() {
+    use outbox_conformance_tests::MemoryHarness;
+    use outbox_conformance_tests::explore::{Bounds, exhaustive};
+    let bounds = Bounds { max_depth: 10, ..Bounds::default() };
+    let r = exhaustive(&MemoryHarness, bounds).await.unwrap();
+    eprintln!(
+        "deep exploration of the reference backends: {} paths judged, {} pruned, {} actions executed, depth {}, {} duplicate offers counted, {:.2?}",
+        r.paths, r.pruned, r.states, r.deepest, r.duplicates_offered, r.elapsed
+    );
+    if let Some(c) = &r.counterexample {
+        panic!("{c}");
+    }
+    assert_eq!(r.deepest, 10);
+    assert!(r.paths > 100_000, "the exploration shrank: {} paths", r.paths);
+}

@@ -42,7 +42,10 @@ impl Delivery {
     /// Acknowledge: only after the effect committed.
     ///
     /// # Errors
-    /// The adapter's error; an ack that fails leaves the message to be redelivered.
+    /// The adapter's error; an ack that fails leaves the message to be redelivered. An ack of a
+    /// delivery the broker already handed to another member (idle timeout, rebalance) may fail
+    /// with a transient [`Closed`](crate::ErrorKind::Closed) error; the effect's marker makes
+    /// that redelivery harmless.
     pub async fn ack(self) -> Result<()> {
         self.acker.ack().await
     }
@@ -82,7 +85,9 @@ pub trait Subscription: Send {
     /// # Behavior
     /// - returns `Ok(None)` when nothing arrived within `wait`;
     /// - a delivery not yet acknowledged is not handed to another member of the group while
-    ///   this subscription lives (unless the broker's own idle / session timeout passes).
+    ///   this subscription lives, unless the broker's own idle / session timeout passes or the
+    ///   group rebalances (then acknowledging the old delivery may fail with a transient
+    ///   [`Closed`](crate::ErrorKind::Closed) error, and the new holder gets it).
     async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>>;
 }
 

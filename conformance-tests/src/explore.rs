@@ -173,16 +173,23 @@ pub async fn sampled<H: Harness>(h: &H, bounds: Bounds, seed: u64, iterations: u
         let mut world: World<H::Inbox> =
             World::new(h, "perm", &PAYLOADS[..bounds.events], EffectKind::Additive).await?;
         let mut path = Vec::new();
+        // Actions that did nothing in the current state (a no-op changes nothing, so the state
+        // is the same and another action can be drawn instead).
+        let mut idle: Vec<Action> = Vec::new();
         while path.len() < bounds.max_depth {
             let (c, e, l) = budgets(&path, &bounds);
-            let enabled: Vec<Action> = world.enabled(c, e, l).into_iter().filter(|a| canonical(&path, a)).collect();
+            let enabled: Vec<Action> =
+                world.enabled(c, e, l).into_iter().filter(|a| canonical(&path, a) && !idle.contains(a)).collect();
             if enabled.is_empty() {
                 break;
             }
             let a = enabled[rng.below(enabled.len() as u64) as usize].clone();
             match world.step(&a).await {
-                Ok(()) => path.push(a),
-                Err(e) if is_no_op(&e) => break,
+                Ok(()) => {
+                    path.push(a);
+                    idle.clear();
+                }
+                Err(e) if is_no_op(&e) => idle.push(a),
                 Err(e) => return Err(e),
             }
         }

@@ -71,7 +71,9 @@ pub async fn run_all<H: Harness>(harness: &H) -> Vec<(Case, Result<CaseResult, o
 /// passed.
 pub fn table(results: &[(Case, Result<CaseResult, outbox_core::Error>)]) -> (String, bool) {
     let mut ok = true;
-    let mut text = format!("{:<52} {:<22} {:<8} property\n", "case", "class", "verdict");
+    let wc = results.iter().map(|(c, _)| c.class.len()).max().unwrap_or(5);
+    let wn = results.iter().map(|(c, _)| c.name.len()).max().unwrap_or(4);
+    let mut text = format!("{:<wn$} {:<wc$} {:<26} property\n", "case", "class", "verdict");
     let mut details = String::new();
     for (case, r) in results {
         let verdict = match r {
@@ -88,7 +90,7 @@ pub fn table(results: &[(Case, Result<CaseResult, outbox_core::Error>)]) -> (Str
                 "ERROR".to_string()
             }
         };
-        text.push_str(&format!("{:<52} {:<22} {:<8} {}\n", case.name, case.class, verdict, case.property));
+        text.push_str(&format!("{:<wn$} {:<wc$} {:<26} {}\n", case.name, case.class, verdict, case.property));
     }
     text.push_str(&details);
     (text, ok)

@@ -140,8 +140,10 @@ pub trait Inbox: Send + Sync + 'static {
     /// Commit marker and effect together.
     ///
     /// # Behavior
-    /// - all-or-nothing; on a concurrent duplicate marker the losing transaction fails with a
-    ///   transient error and nothing of it is durable;
+    /// - all-or-nothing;
+    /// - of two transactions marking the same key concurrently at most one commits the marker:
+    ///   the other either fails with a transient error (at `mark` or here) and nothing of it is
+    ///   durable, or its `mark` waits and reports `Duplicate` once the first committed;
     /// - a connection lost during commit is [`Retry::OutcomeUnknown`](crate::Retry::OutcomeUnknown).
     async fn commit(&self, tx: Self::Tx) -> Result<()>;
 

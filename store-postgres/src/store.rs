@@ -1,0 +1,608 @@
+//! The outbox store: leases, fencing tokens and the claim statement.
+//!
+//! Every transition is one statement whose `WHERE` clause is the fencing check, so the database
+//! decides atomically whether a stale relay may act; the store never reads a row and then
+//! decides in Rust. The claim takes `FOR UPDATE SKIP LOCKED` row locks so concurrent relays pass
+//! each other instead of queueing, and walks the partial index of open rows, so its cost depends
+//! on the backlog, not on how many published rows are kept.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::{
+    Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxRecord, OutboxStats, OutboxStore,
+    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, Timestamp,
+};
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row};
+
+use crate::codec::decode_headers;
+use crate::config::PgConfig;
+use crate::error::{BACKEND, Phase, map, map_commit_error};
+use crate::inbox::PgInbox;
+use crate::tables::{PgTables, SCHEMA_VERSION};
+
+/// Longest duration passed to SQL, in ms (about 100 years): keeps `now + duration` far from
+/// `bigint` overflow whatever the caller asks for.
+const MAX_MS: i64 = 100 * 365 * 24 * 3600 * 1000;
+
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(MAX_MS).min(MAX_MS)
+}
+
+fn limit_param(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+/// PostgreSQL text cannot hold NUL; error texts come from brokers and handlers, so replace it.
+pub(crate) fn sanitize(text: &str) -> String {
+    text.replace('\0', "\u{fffd}")
+}
+
+pub(crate) fn corrupt(message: impl Into<String>) -> Error {
+    Error::permanent(ErrorKind::Corrupt, BACKEND, message)
+}
+
+/// An [`OutboxStore`] on PostgreSQL. Cheap to clone: clones share the pool.
+///
+/// Build it with [`connect`](PgStore::connect), [`connect_with_clock`](PgStore::connect_with_clock)
+/// or [`from_pool`](PgStore::from_pool), then call [`migrate`](PgStore::migrate) once (the crate
+/// never changes the schema on its own).
+#[derive(Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    tables: Arc<PgTables>,
+    config: Arc<PgConfig>,
+}
+
+impl PgStore {
+    /// Connect with the database clock.
+    ///
+    /// Opens one connection right away (so a wrong URL, password or unreachable server fails
+    /// here, without waiting for the pool's retries), then a pool of up to
+    /// [`pool_size`](PgConfig::pool_size) connections, each with the configured
+    /// `statement_timeout` and `lock_timeout`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] for invalid settings (before any connection is tried);
+    /// [`ErrorKind::Connection`] (transient) when the server cannot be reached within
+    /// [`connect_timeout`](PgConfig::connect_timeout).
+    pub async fn connect(config: PgConfig) -> Result<Self> {
+        let tables = PgTables::new(&config)?;
+        let options = config.connect_options()?;
+        let settings = config.session_settings();
+        let target = config.redacted_url();
+        let timeout = config.connect_timeout();
+        let probe = async {
+            let mut conn = PgConnection::connect_with(&options).await?;
+            settings.apply(&mut conn).await?;
+            conn.close().await
+        };
+        match tokio::time::timeout(timeout, probe).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(map(e, Phase::InTransaction, &format!("connecting to {target}"))),
+            Err(_) => {
+                return Err(Error::transient(
+                    ErrorKind::Connection,
+                    BACKEND,
+                    format!("connecting to {target} took longer than {timeout:?}"),
+                ));
+            }
+        }
+        let pool = config.pool_options().connect_lazy_with(options);
+        Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config) })
+    }
+
+    /// Connect with an injected clock (tests expire leases by advancing a
+    /// [`ManualClock`](outbox_core::ManualClock) instead of sleeping).
+    ///
+    /// # Errors
+    /// As [`connect`](PgStore::connect).
+    pub async fn connect_with_clock(config: PgConfig, clock: SharedClock) -> Result<Self> {
+        Ok(Self::connect(config).await?.with_clock(clock))
+    }
+
+    /// Use an existing pool (for example the application's own). The pool's connections keep
+    /// whatever session settings the pool gives them; build it with
+    /// [`PgConfig::pool_options`] to get this crate's timeouts.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] for an invalid schema or prefix.
+    pub fn from_pool(pool: PgPool, config: PgConfig) -> Result<Self> {
+        let tables = PgTables::new(&config)?;
+        Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config) })
+    }
+
+    /// The same store (same pool) deciding time by `clock` instead of the database clock.
+    #[must_use]
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        let tables = (*self.tables).clone().with_clock(clock);
+        self.tables = Arc::new(tables);
+        self
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Table names, SQL and clock.
+    pub fn tables(&self) -> &PgTables {
+        &self.tables
+    }
+
+    /// The settings this store was built with.
+    pub fn config(&self) -> &PgConfig {
+        &self.config
+    }
+
+    /// The [`Inbox`](outbox_core::Inbox) on the same pool, tables and clock.
+    pub fn inbox(&self) -> PgInbox {
+        PgInbox::new(self.pool.clone(), self.tables.clone())
+    }
+
+    /// Close the pool: waits for checked-out connections to come back.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// Create the schema if it does not exist (a no-op for `public` and for existing schemas).
+    ///
+    /// # Errors
+    /// The server's error, e.g. [`ErrorKind::Rejected`] without the `CREATE` privilege.
+    pub async fn create_schema_if_missing(&self) -> Result<()> {
+        let mut conn = self.acquire().await?;
+        let mut tx = conn.begin().await.map_err(|e| map(e, Phase::InTransaction, "begin"))?;
+        self.lock_and_create_schema(&mut tx).await?;
+        tx.commit().await.map_err(map_commit_error)
+    }
+
+    /// Apply this crate's migrations up to [`SCHEMA_VERSION`]; returns the version now in place.
+    ///
+    /// Idempotent and safe to run from several processes at once: it runs in one transaction
+    /// under an advisory lock per schema, creates the schema if missing, and records each applied
+    /// version in `<prefix>schema_version`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Corrupt`] when the database is at a newer version than this crate knows;
+    /// otherwise the server's error.
+    pub async fn migrate(&self) -> Result<i32> {
+        let mut conn = self.acquire().await?;
+        let mut tx = conn.begin().await.map_err(|e| map(e, Phase::InTransaction, "begin"))?;
+        match self.migrate_in(&mut tx).await {
+            Ok(version) => {
+                tx.commit().await.map_err(map_commit_error)?;
+                Ok(version)
+            }
+            Err(e) => {
+                // Roll back now rather than on drop: the schema lock must not outlive the call.
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn migrate_in(&self, tx: &mut PgConnection) -> Result<i32> {
+        let step = |what: &'static str| move |e| map(e, Phase::InTransaction, what);
+        // Migrations are explicit operator actions: don't let the relay's short timeouts cut them.
+        sqlx::query("SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', '60s', true)")
+            .execute(&mut *tx)
+            .await
+            .map_err(step("migrate: session settings"))?;
+        self.lock_and_create_schema(tx).await?;
+        let sql = &self.tables.sql;
+        sqlx::raw_sql(AssertSqlSafe(sql.version_table.clone()))
+            .execute(&mut *tx)
+            .await
+            .map_err(step("migrate: version table"))?;
+        let current: Option<i32> = sqlx::query_scalar(AssertSqlSafe(sql.version_read.clone()))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(step("migrate: reading the version"))?;
+        let current = current.unwrap_or(0);
+        if current > SCHEMA_VERSION {
+            return Err(corrupt(format!(
+                "schema \"{}\" prefix \"{}\" is at version {current}, newer than the {SCHEMA_VERSION} this \
+                 library knows; upgrade the library",
+                self.tables.schema(),
+                self.tables.prefix()
+            )));
+        }
+        for (version, text) in &sql.migrations {
+            if *version <= current {
+                continue;
+            }
+            sqlx::raw_sql(AssertSqlSafe(text.clone()))
+                .execute(&mut *tx)
+                .await
+                .map_err(step("migrate: applying a migration"))?;
+            sqlx::query(AssertSqlSafe(sql.version_insert_row.clone()))
+                .bind(version)
+                .execute(&mut *tx)
+                .await
+                .map_err(step("migrate: recording the version"))?;
+            tracing::info!(target: "outbox.postgres", schema = self.tables.schema(), prefix = self.tables.prefix(), version, "migration applied");
+        }
+        Ok(SCHEMA_VERSION.max(current))
+    }
+
+    /// The schema version in the database (`None` before the first [`migrate`](PgStore::migrate)).
+    ///
+    /// # Errors
+    /// The server's error.
+    pub async fn schema_version(&self) -> Result<Option<i32>> {
+        let mut conn = self.acquire().await?;
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(self.tables.own("schema_version"))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::InTransaction, "reading the schema version"))?;
+        if !exists {
+            return Ok(None);
+        }
+        sqlx::query_scalar(AssertSqlSafe(self.tables.sql.version_read.clone()))
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::InTransaction, "reading the schema version"))
+    }
+
+    async fn lock_and_create_schema(&self, conn: &mut PgConnection) -> Result<()> {
+        let schema = self.tables.schema();
+        let step = |what: &'static str| move |e| map(e, Phase::InTransaction, what);
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+            .bind(format!("outbox-migrate:{schema}"))
+            .execute(&mut *conn)
+            .await
+            .map_err(step("migrate: advisory lock"))?;
+        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(schema)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(step("migrate: looking up the schema"))?;
+        if !exists {
+            // The schema name is a validated identifier (see PgConfig::validate).
+            sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
+                .execute(&mut *conn)
+                .await
+                .map_err(step("migrate: creating the schema"))?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn acquire(&self) -> Result<PoolConnection<Postgres>> {
+        self.pool.acquire().await.map_err(|e| map(e, Phase::InTransaction, "acquiring a connection"))
+    }
+
+    /// Run one token-conditional update; `Applied` when it matched the row.
+    async fn fenced_update(
+        &self,
+        sql: &Arc<str>,
+        what: &str,
+        row: RowId,
+        lease: &Lease,
+        extra: impl FnOnce(
+            sqlx::query::Query<'static, Postgres, sqlx::postgres::PgArguments>,
+        ) -> sqlx::query::Query<'static, Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<bool> {
+        let Ok(token) = i64::try_from(lease.token) else { return Ok(false) };
+        let mut conn = self.acquire().await?;
+        let query = sqlx::query(AssertSqlSafe(sql.clone()))
+            .bind(self.tables.now_param())
+            .bind(row)
+            .bind(token)
+            .bind(lease.owner.as_str().to_owned());
+        let hit = extra(query).fetch_optional(&mut *conn).await.map_err(|e| map(e, Phase::AutocommitWrite, what))?;
+        Ok(hit.is_some())
+    }
+}
+
+impl AsRef<PgTables> for PgStore {
+    fn as_ref(&self) -> &PgTables {
+        &self.tables
+    }
+}
+
+impl fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgStore").field("config", &self.config).field("clock", &self.tables.clock()).finish()
+    }
+}
+
+/// An outbox row as stored.
+struct StoredRow {
+    id: RowId,
+    event: Event,
+    attempts: u32,
+    token: u64,
+    owner: Option<String>,
+    lease_expires_at: Option<i64>,
+    available_at: i64,
+    created_at: i64,
+    published_token: Option<u64>,
+    parked_at: Option<i64>,
+    last_error: Option<String>,
+}
+
+fn get<'r, T>(row: &'r PgRow, column: &str) -> Result<T>
+where
+    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    row.try_get(column).map_err(|e| map(e, Phase::InTransaction, "decoding an outbox row"))
+}
+
+fn to_u64(value: i64, what: &str) -> Result<u64> {
+    u64::try_from(value).map_err(|_| corrupt(format!("negative {what} {value} in an outbox row")))
+}
+
+impl StoredRow {
+    fn decode(row: &PgRow) -> Result<Self> {
+        let id: i64 = get(row, "id")?;
+        let event_id: String = get(row, "event_id")?;
+        let destination: String = get(row, "destination")?;
+        let bad = |e: Error| corrupt(format!("outbox row {id}: {}", e.message()));
+        let event = Event {
+            id: EventId::new(event_id).map_err(bad)?,
+            destination: Destination::new(destination).map_err(bad)?,
+            key: get(row, "key")?,
+            headers: decode_headers(&get::<Vec<u8>>(row, "headers")?)?,
+            payload: get(row, "payload")?,
+        };
+        let attempts: i32 = get(row, "attempts")?;
+        Ok(Self {
+            id,
+            event,
+            attempts: u32::try_from(attempts).map_err(|_| corrupt(format!("outbox row {id}: attempts {attempts}")))?,
+            token: to_u64(get(row, "token")?, "token")?,
+            owner: get(row, "owner")?,
+            lease_expires_at: get(row, "lease_expires_at")?,
+            available_at: get(row, "available_at")?,
+            created_at: get(row, "created_at")?,
+            published_token: get::<Option<i64>>(row, "published_token")?
+                .map(|t| to_u64(t, "published token"))
+                .transpose()?,
+            parked_at: get(row, "parked_at")?,
+            last_error: get(row, "last_error")?,
+        })
+    }
+
+    fn status(&self, now: i64) -> RowStatus {
+        if self.published_token.is_some() {
+            RowStatus::Published
+        } else if self.parked_at.is_some() {
+            RowStatus::Parked
+        } else if self.lease_expires_at.is_some_and(|e| e > now) {
+            RowStatus::Leased
+        } else {
+            RowStatus::Pending
+        }
+    }
+
+    fn record(&self) -> OutboxRecord {
+        OutboxRecord {
+            row_id: self.id,
+            event: self.event.clone(),
+            attempts: self.attempts,
+            created_at: Timestamp(self.created_at),
+        }
+    }
+}
+
+fn applied(hit: bool) -> Outcome {
+    if hit { Outcome::Applied } else { Outcome::Fenced }
+}
+
+#[async_trait]
+impl OutboxStore for PgStore {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.acquire().await?;
+        crate::enqueue::enqueue(&mut conn, &*self.tables, events).await
+    }
+
+    async fn claim(&self, owner: &str, limit: usize, lease: Duration) -> Result<Vec<Claimed>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.acquire().await?;
+        let rows = sqlx::query(AssertSqlSafe(self.tables.sql.claim.clone()))
+            .bind(self.tables.now_param())
+            .bind(limit_param(limit))
+            .bind(owner.to_owned())
+            .bind(millis(lease))
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::AutocommitWrite, "claim"))?;
+        rows.iter()
+            .map(|r| {
+                let row = StoredRow::decode(r)?;
+                let expires_at = row.lease_expires_at.ok_or_else(|| corrupt("claimed row without a lease"))?;
+                Ok(Claimed {
+                    record: row.record(),
+                    lease: Lease { owner: owner.to_owned(), token: row.token, expires_at: Timestamp(expires_at) },
+                })
+            })
+            .collect()
+    }
+
+    async fn complete(&self, row: RowId, lease: &Lease) -> Result<Completion> {
+        let hit = self.fenced_update(&self.tables.sql.complete, "complete", row, lease, |q| q).await?;
+        Ok(if hit { Completion::Published } else { Completion::Fenced })
+    }
+
+    async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut tokens = Vec::with_capacity(rows.len());
+        let mut owners = Vec::with_capacity(rows.len());
+        for (row, lease) in rows {
+            if let Ok(token) = i64::try_from(lease.token) {
+                ids.push(*row);
+                tokens.push(token);
+                owners.push(lease.owner.clone());
+            }
+        }
+        if ids.is_empty() {
+            return Ok(vec![Completion::Fenced; rows.len()]);
+        }
+        let mut conn = self.acquire().await?;
+        let done = sqlx::query(AssertSqlSafe(self.tables.sql.complete_many.clone()))
+            .bind(self.tables.now_param())
+            .bind(ids)
+            .bind(tokens)
+            .bind(owners)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::AutocommitWrite, "complete_many"))?;
+        let mut published: Vec<Option<(i64, u64, String)>> = done
+            .iter()
+            .map(|r| Ok(Some((get(r, "id")?, to_u64(get(r, "token")?, "token")?, get(r, "owner")?))))
+            .collect::<Result<_>>()?;
+        // One entry per input, in order; a row listed twice is published by the first entry only.
+        Ok(rows
+            .iter()
+            .map(|(row, lease)| {
+                let slot = published.iter_mut().find(|p| {
+                    p.as_ref()
+                        .is_some_and(|(id, token, owner)| id == row && *token == lease.token && *owner == lease.owner)
+                });
+                match slot {
+                    Some(slot) => {
+                        *slot = None;
+                        Completion::Published
+                    }
+                    None => Completion::Fenced,
+                }
+            })
+            .collect())
+    }
+
+    async fn fail(&self, row: RowId, lease: &Lease, retry_after: Duration, error: &str) -> Result<Outcome> {
+        let error = sanitize(error);
+        let retry_after = millis(retry_after);
+        let hit = self
+            .fenced_update(&self.tables.sql.fail, "fail", row, lease, move |q| q.bind(retry_after).bind(error))
+            .await?;
+        Ok(applied(hit))
+    }
+
+    async fn park(&self, row: RowId, lease: &Lease, reason: &str) -> Result<Outcome> {
+        let reason = sanitize(reason);
+        let hit = self.fenced_update(&self.tables.sql.park, "park", row, lease, move |q| q.bind(reason)).await?;
+        Ok(applied(hit))
+    }
+
+    async fn extend(&self, row: RowId, lease: &Lease, by: Duration) -> Result<Outcome> {
+        let by = millis(by);
+        let hit = self.fenced_update(&self.tables.sql.extend, "extend", row, lease, move |q| q.bind(by)).await?;
+        Ok(applied(hit))
+    }
+
+    async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome> {
+        let hit = self.fenced_update(&self.tables.sql.release, "release", row, lease, |q| q).await?;
+        Ok(applied(hit))
+    }
+
+    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
+        let mut conn = self.acquire().await?;
+        let rows = sqlx::query(AssertSqlSafe(self.tables.sql.list_parked.clone()))
+            .bind(limit_param(limit))
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::InTransaction, "list_parked"))?;
+        rows.iter()
+            .map(|r| {
+                let row = StoredRow::decode(r)?;
+                let parked_at = row.parked_at.ok_or_else(|| corrupt("parked row without parked_at"))?;
+                Ok(ParkedRow {
+                    record: row.record(),
+                    reason: row.last_error.clone().unwrap_or_default(),
+                    parked_at: Timestamp(parked_at),
+                })
+            })
+            .collect()
+    }
+
+    async fn requeue_parked(&self, rows: &[RowId]) -> Result<u64> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let mut conn = self.acquire().await?;
+        let done = sqlx::query(AssertSqlSafe(self.tables.sql.requeue.clone()))
+            .bind(self.tables.now_param())
+            .bind(rows.to_vec())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::AutocommitWrite, "requeue_parked"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn purge_parked(&self, rows: &[RowId]) -> Result<u64> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let mut conn = self.acquire().await?;
+        let done = sqlx::query(AssertSqlSafe(self.tables.sql.purge.clone()))
+            .bind(rows.to_vec())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::AutocommitWrite, "purge_parked"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn stats(&self) -> Result<OutboxStats> {
+        let mut conn = self.acquire().await?;
+        let r = sqlx::query(AssertSqlSafe(self.tables.sql.stats.clone()))
+            .bind(self.tables.now_param())
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::InTransaction, "stats"))?;
+        let count = |c: &str| -> Result<u64> { to_u64(get(&r, c)?, "count") };
+        let now: i64 = get(&r, "now")?;
+        let oldest: Option<i64> = get(&r, "oldest")?;
+        Ok(OutboxStats {
+            pending: count("pending")?,
+            leased: count("leased")?,
+            parked: count("parked")?,
+            published: count("published")?,
+            oldest_pending_age: oldest.map(|o| Timestamp(now).since(Timestamp(o))),
+        })
+    }
+
+    async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {
+        let mut conn = self.acquire().await?;
+        let rows = sqlx::query(AssertSqlSafe(self.tables.sql.inspect.clone()))
+            .bind(self.tables.now_param())
+            .bind(after)
+            .bind(limit_param(limit))
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::InTransaction, "inspect"))?;
+        rows.iter()
+            .map(|r| {
+                let now: i64 = get(r, "now")?;
+                let row = StoredRow::decode(r)?;
+                Ok(RowSnapshot {
+                    row_id: row.id,
+                    status: row.status(now),
+                    attempts: row.attempts,
+                    token: row.token,
+                    owner: row.owner.clone(),
+                    lease_expires_at: row.lease_expires_at.map(Timestamp),
+                    published_token: row.published_token,
+                    available_at: Timestamp(row.available_at),
+                    created_at: Timestamp(row.created_at),
+                    last_error: row.last_error.clone(),
+                    event: row.event,
+                })
+            })
+            .collect()
+    }
+}

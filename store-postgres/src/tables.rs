@@ -1,0 +1,467 @@
+//! Validated table names and the SQL built from them, once per store.
+//!
+//! Every statement takes the store clock as `$1` (a `bigint` of milliseconds, or `NULL` for the
+//! database's own clock), so one text serves both modes and the server never sees a different
+//! statement shape because of a test clock. Times are stored as `bigint` milliseconds since the
+//! Unix epoch: the precision of [`Timestamp`](outbox_core::Timestamp), compared exactly.
+
+use std::fmt;
+use std::sync::Arc;
+
+use outbox_core::{Result, SharedClock};
+
+use crate::config::PgConfig;
+
+/// "Now" in milliseconds: the injected clock when `$1` is not null, else the database clock at
+/// the start of the statement (`statement_timestamp()` is stable within a statement, so every
+/// row of one claim sees the same instant).
+const NOW: &str = "COALESCE($1::bigint, floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint)";
+
+/// The columns of an outbox row, in the order [`crate::store`] decodes them.
+const COLUMNS: [&str; 16] = [
+    "id",
+    "event_id",
+    "destination",
+    "key",
+    "headers",
+    "payload",
+    "attempts",
+    "token",
+    "owner",
+    "lease_expires_at",
+    "available_at",
+    "created_at",
+    "published_token",
+    "published_at",
+    "parked_at",
+    "last_error",
+];
+
+fn columns(alias: &str) -> String {
+    COLUMNS.iter().map(|c| format!("{alias}{c}")).collect::<Vec<_>>().join(", ")
+}
+
+/// The newest schema version this crate knows; [`PgStore::migrate`](crate::PgStore::migrate)
+/// refuses a database already at a newer one.
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// Generated statement texts.
+#[derive(Debug, Clone)]
+pub(crate) struct Sql {
+    pub(crate) enqueue: Arc<str>,
+    pub(crate) claim: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) complete_many: Arc<str>,
+    pub(crate) fail: Arc<str>,
+    pub(crate) park: Arc<str>,
+    pub(crate) extend: Arc<str>,
+    pub(crate) release: Arc<str>,
+    pub(crate) list_parked: Arc<str>,
+    pub(crate) requeue: Arc<str>,
+    pub(crate) purge: Arc<str>,
+    pub(crate) stats: Arc<str>,
+    pub(crate) inspect: Arc<str>,
+    pub(crate) mark_insert: Arc<str>,
+    pub(crate) mark_select: Arc<str>,
+    pub(crate) version_insert: Arc<str>,
+    pub(crate) version_lock: Arc<str>,
+    pub(crate) version_update: Arc<str>,
+    pub(crate) ledger_fresh: Arc<str>,
+    pub(crate) ledger_lock: Arc<str>,
+    pub(crate) ledger_set: Arc<str>,
+    pub(crate) dead_letter: Arc<str>,
+    pub(crate) record_failure: Arc<str>,
+    pub(crate) markers: Arc<str>,
+    pub(crate) dead_letters: Arc<str>,
+    pub(crate) prune: Arc<str>,
+    pub(crate) version_table: Arc<str>,
+    pub(crate) version_read: Arc<str>,
+    pub(crate) version_insert_row: Arc<str>,
+    pub(crate) migrations: Vec<(i32, Arc<str>)>,
+}
+
+/// Where the tables are and how to talk to them, without a connection: the validated schema and
+/// prefix, the generated SQL, the payload limit and the store clock.
+///
+/// A [`PgStore`](crate::PgStore) holds one; [`enqueue`](crate::enqueue) needs one (or the store).
+/// Build one with [`PgTables::new`] to enqueue from an application that has its own pool and no
+/// store.
+#[derive(Clone)]
+pub struct PgTables {
+    schema: String,
+    prefix: String,
+    max_payload: usize,
+    clock: Option<SharedClock>,
+    pub(crate) sql: Sql,
+}
+
+impl PgTables {
+    /// Validate `config`'s schema and prefix and generate the SQL.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) for an invalid schema or prefix.
+    pub fn new(config: &PgConfig) -> Result<Self> {
+        config.validate()?;
+        let schema = config.schema().to_string();
+        let prefix = config.table_prefix().to_string();
+        let sql = Sql::generate(&schema, &prefix);
+        Ok(Self { schema, prefix, max_payload: config.max_payload(), clock: None, sql })
+    }
+
+    /// Use `clock` instead of the database clock for every time this store writes or compares.
+    #[must_use]
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    /// The schema.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The table prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Largest accepted payload, in bytes.
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
+    }
+
+    /// The injected clock, if any (`None`: the database clock).
+    pub fn clock(&self) -> Option<&SharedClock> {
+        self.clock.as_ref()
+    }
+
+    /// `"schema"."<prefix>name"`, quoted, for one of this crate's tables or indexes (`events`,
+    /// `inbox_markers`, `inbox_versions`, `inbox_ledger`, `inbox_failures`, `dead_letters`,
+    /// `schema_version`, `events_claimable`, ...), for operators' and tests' own queries.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) for a name this crate does not create.
+    pub fn table(&self, name: &str) -> Result<String> {
+        if !crate::config::DERIVED_SUFFIXES.contains(&name) {
+            return Err(outbox_core::Error::config(
+                crate::error::BACKEND,
+                format!("{name:?} is not one of the outbox's tables or indexes"),
+            ));
+        }
+        Ok(self.own(name))
+    }
+
+    /// The qualified name of one of this crate's objects (`name` is a constant of this crate).
+    pub(crate) fn own(&self, name: &str) -> String {
+        qualified(&self.schema, &format!("{}{name}", self.prefix))
+    }
+
+    /// `"schema"."name"`, quoted, for an application table in the same schema (e.g. the
+    /// business-effect table of a handler). `name` is validated like the prefix.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) for a name outside `[a-z_][a-z0-9_]*`
+    /// or longer than 63 bytes.
+    pub fn app_table(&self, name: &str) -> Result<String> {
+        crate::config::validate_identifier("table name", name, crate::config::MAX_IDENTIFIER_LEN)?;
+        Ok(qualified(&self.schema, name))
+    }
+
+    /// The claim statement, exactly as the store runs it. Parameters: `$1` now in ms (`NULL`:
+    /// database clock), `$2` limit, `$3` owner, `$4` lease in ms. For `EXPLAIN`.
+    pub fn claim_sql(&self) -> &str {
+        &self.sql.claim
+    }
+
+    /// The statements of each migration, by version.
+    pub fn migration_sql(&self) -> impl Iterator<Item = (i32, &str)> {
+        self.sql.migrations.iter().map(|(v, s)| (*v, &**s))
+    }
+
+    /// The injected clock's time, or `None` for the database clock: the `$1` of every statement.
+    pub(crate) fn now_param(&self) -> Option<i64> {
+        self.clock.as_ref().map(|c| c.now().as_millis())
+    }
+}
+
+impl AsRef<PgTables> for PgTables {
+    fn as_ref(&self) -> &PgTables {
+        self
+    }
+}
+
+impl fmt::Debug for PgTables {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTables")
+            .field("schema", &self.schema)
+            .field("prefix", &self.prefix)
+            .field("max_payload", &self.max_payload)
+            .field("clock", &self.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Quote a validated identifier. Validation already excludes `"`, so this cannot be escaped.
+fn quote(ident: &str) -> String {
+    format!("\"{ident}\"")
+}
+
+pub(crate) fn qualified(schema: &str, name: &str) -> String {
+    format!("{}.{}", quote(schema), quote(name))
+}
+
+impl Sql {
+    fn generate(schema: &str, p: &str) -> Self {
+        let t = |name: &str| qualified(schema, &format!("{p}{name}"));
+        let n = |name: &str| quote(&format!("{p}{name}"));
+        let events = t("events");
+        let markers = t("inbox_markers");
+        let versions = t("inbox_versions");
+        let ledger = t("inbox_ledger");
+        let failures = t("inbox_failures");
+        let dead = t("dead_letters");
+        let version = t("schema_version");
+        let cols = columns("");
+        let tcols = columns("t.");
+        let open = "published_at IS NULL AND parked_at IS NULL";
+        let fence = format!("id = $2 AND token = $3 AND owner = $4 AND {open}");
+        let s = |text: String| -> Arc<str> { text.into() };
+
+        let v1 = format!(
+            "CREATE TABLE {events} (
+    id bigserial CONSTRAINT {events_pkey} PRIMARY KEY,
+    event_id text NOT NULL CONSTRAINT {events_event_id_key} UNIQUE,
+    destination text NOT NULL,
+    key text,
+    headers bytea NOT NULL,
+    payload bytea NOT NULL,
+    attempts integer NOT NULL DEFAULT 0,
+    token bigint NOT NULL DEFAULT 0,
+    owner text,
+    lease_expires_at bigint,
+    available_at bigint NOT NULL,
+    created_at bigint NOT NULL,
+    published_token bigint,
+    published_at bigint,
+    parked_at bigint,
+    last_error text
+);
+COMMENT ON TABLE {events} IS 'outbox rows; times are milliseconds since the Unix epoch';
+CREATE INDEX {events_claimable} ON {events} (id) WHERE published_at IS NULL AND parked_at IS NULL;
+CREATE INDEX {events_parked} ON {events} (id) WHERE parked_at IS NOT NULL;
+CREATE TABLE {markers} (
+    consumer text NOT NULL,
+    event_id text NOT NULL,
+    fingerprint bytea NOT NULL,
+    at bigint NOT NULL,
+    CONSTRAINT {markers_pkey} PRIMARY KEY (consumer, event_id)
+);
+CREATE INDEX {markers_at} ON {markers} (consumer, at);
+CREATE TABLE {versions} (
+    consumer text NOT NULL,
+    subject text NOT NULL,
+    version bigint NOT NULL,
+    CONSTRAINT {versions_pkey} PRIMARY KEY (consumer, subject)
+);
+CREATE TABLE {ledger} (
+    consumer text NOT NULL,
+    event_id text NOT NULL,
+    state text NOT NULL CONSTRAINT {ledger_state} CHECK (state IN ('fresh', 'attempted', 'done')),
+    CONSTRAINT {ledger_pkey} PRIMARY KEY (consumer, event_id)
+);
+CREATE TABLE {failures} (
+    consumer text NOT NULL,
+    event_id text NOT NULL,
+    failures integer NOT NULL,
+    CONSTRAINT {failures_pkey} PRIMARY KEY (consumer, event_id)
+);
+CREATE TABLE {dead} (
+    id bigserial CONSTRAINT {dead_pkey} PRIMARY KEY,
+    consumer text NOT NULL,
+    event_id text NOT NULL,
+    reason text NOT NULL,
+    error text NOT NULL,
+    payload bytea NOT NULL,
+    at bigint NOT NULL
+);
+CREATE INDEX {dead_consumer} ON {dead} (consumer, id);",
+            events_pkey = n("events_pkey"),
+            events_event_id_key = n("events_event_id_key"),
+            events_claimable = n("events_claimable"),
+            events_parked = n("events_parked"),
+            markers_pkey = n("inbox_markers_pkey"),
+            markers_at = n("inbox_markers_at"),
+            versions_pkey = n("inbox_versions_pkey"),
+            ledger_state = n("inbox_ledger_state"),
+            ledger_pkey = n("inbox_ledger_pkey"),
+            failures_pkey = n("inbox_failures_pkey"),
+            dead_pkey = n("dead_letters_pkey"),
+            dead_consumer = n("dead_letters_consumer"),
+        );
+
+        Self {
+            enqueue: s(format!(
+                "WITH input AS (
+    SELECT * FROM unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::bytea[])
+        WITH ORDINALITY AS i(event_id, destination, key, headers, payload, ord)
+), dup AS (
+    SELECT t.event_id FROM {events} t WHERE t.event_id IN (SELECT event_id FROM input)
+), ins AS (
+    INSERT INTO {events} (event_id, destination, key, headers, payload, available_at, created_at)
+    SELECT event_id, destination, key, headers, payload, {NOW}, {NOW} FROM input
+    WHERE NOT EXISTS (SELECT 1 FROM dup)
+    ORDER BY ord
+    RETURNING id, event_id
+)
+SELECT false AS duplicate, event_id, id FROM ins
+UNION ALL
+SELECT true AS duplicate, event_id, NULL::bigint AS id FROM dup"
+            )),
+            claim: s(format!(
+                "WITH c AS (
+    SELECT id FROM {events}
+    WHERE {open}
+      AND available_at <= {NOW}
+      AND (lease_expires_at IS NULL OR lease_expires_at <= {NOW})
+    ORDER BY id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), u AS (
+    UPDATE {events} AS t
+    SET token = t.token + 1, owner = $3, lease_expires_at = {NOW} + $4
+    FROM c
+    WHERE t.id = c.id
+    RETURNING {tcols}
+)
+SELECT * FROM u ORDER BY id"
+            )),
+            complete: s(format!(
+                "UPDATE {events} SET published_token = token, published_at = {NOW}, lease_expires_at = NULL
+WHERE {fence} RETURNING id"
+            )),
+            complete_many: s(format!(
+                "WITH input AS (
+    SELECT * FROM unnest($2::bigint[], $3::bigint[], $4::text[]) AS i(id, token, owner)
+), l AS (
+    SELECT t.id FROM {events} t JOIN input i ON t.id = i.id AND t.token = i.token AND t.owner = i.owner
+    WHERE t.published_at IS NULL AND t.parked_at IS NULL
+    ORDER BY t.id
+    FOR UPDATE OF t
+)
+UPDATE {events} AS t SET published_token = t.token, published_at = {NOW}, lease_expires_at = NULL
+FROM input i
+WHERE t.id IN (SELECT id FROM l) AND t.id = i.id AND t.token = i.token AND t.owner = i.owner
+  AND t.published_at IS NULL AND t.parked_at IS NULL
+RETURNING t.id, t.token, t.owner"
+            )),
+            fail: s(format!(
+                "UPDATE {events} SET attempts = attempts + 1, owner = NULL, lease_expires_at = NULL,
+    available_at = {NOW} + $5, last_error = $6
+WHERE {fence} RETURNING id"
+            )),
+            park: s(format!(
+                "UPDATE {events} SET owner = NULL, lease_expires_at = NULL, parked_at = {NOW}, last_error = $5
+WHERE {fence} RETURNING id"
+            )),
+            extend: s(format!("UPDATE {events} SET lease_expires_at = {NOW} + $5 WHERE {fence} RETURNING id")),
+            release: s(format!(
+                "UPDATE {events} SET owner = NULL, lease_expires_at = NULL, available_at = {NOW}
+WHERE {fence} RETURNING id"
+            )),
+            list_parked: s(format!("SELECT {cols} FROM {events} WHERE parked_at IS NOT NULL ORDER BY id LIMIT $1")),
+            requeue: s(format!(
+                "UPDATE {events} SET parked_at = NULL, attempts = 0, available_at = {NOW}
+WHERE id = ANY($2::bigint[]) AND parked_at IS NOT NULL AND published_at IS NULL"
+            )),
+            purge: s(format!("DELETE FROM {events} WHERE id = ANY($1::bigint[]) AND parked_at IS NOT NULL")),
+            stats: s(format!(
+                "SELECT
+    count(*) FILTER (WHERE {open} AND (lease_expires_at IS NULL OR lease_expires_at <= {NOW})) AS pending,
+    count(*) FILTER (WHERE {open} AND lease_expires_at > {NOW}) AS leased,
+    count(*) FILTER (WHERE published_at IS NULL AND parked_at IS NOT NULL) AS parked,
+    count(*) FILTER (WHERE published_at IS NOT NULL) AS published,
+    min(created_at) FILTER (WHERE {open} AND (lease_expires_at IS NULL OR lease_expires_at <= {NOW})) AS oldest,
+    {NOW} AS now
+FROM {events}"
+            )),
+            inspect: s(format!("SELECT {NOW} AS now, {cols} FROM {events} WHERE id > $2 ORDER BY id LIMIT $3")),
+            mark_insert: s(format!(
+                "INSERT INTO {markers} (consumer, event_id, fingerprint, at) VALUES ($2, $3, $4, {NOW})
+ON CONFLICT (consumer, event_id) DO NOTHING RETURNING true"
+            )),
+            mark_select: s(format!("SELECT fingerprint FROM {markers} WHERE consumer = $1 AND event_id = $2")),
+            version_insert: s(format!(
+                "INSERT INTO {versions} (consumer, subject, version) VALUES ($1, $2, $3)
+ON CONFLICT (consumer, subject) DO NOTHING RETURNING true"
+            )),
+            version_lock: s(format!("SELECT version FROM {versions} WHERE consumer = $1 AND subject = $2 FOR UPDATE")),
+            version_update: s(format!("UPDATE {versions} SET version = $3 WHERE consumer = $1 AND subject = $2")),
+            ledger_fresh: s(format!(
+                "INSERT INTO {ledger} (consumer, event_id, state) VALUES ($1, $2, 'fresh')
+ON CONFLICT (consumer, event_id) DO NOTHING"
+            )),
+            ledger_lock: s(format!("SELECT state FROM {ledger} WHERE consumer = $1 AND event_id = $2 FOR UPDATE")),
+            ledger_set: s(format!(
+                "INSERT INTO {ledger} (consumer, event_id, state) VALUES ($1, $2, $3)
+ON CONFLICT (consumer, event_id) DO UPDATE SET state = EXCLUDED.state"
+            )),
+            dead_letter: s(format!(
+                "INSERT INTO {dead} (consumer, event_id, reason, error, payload, at) VALUES ($2, $3, $4, $5, $6, {NOW})"
+            )),
+            record_failure: s(format!(
+                "INSERT INTO {failures} AS f (consumer, event_id, failures) VALUES ($1, $2, 1)
+ON CONFLICT (consumer, event_id) DO UPDATE SET failures = f.failures + 1 RETURNING failures"
+            )),
+            markers: s(format!(
+                "SELECT event_id, fingerprint, at FROM {markers} WHERE consumer = $1 ORDER BY event_id COLLATE \"C\""
+            )),
+            dead_letters: s(format!(
+                "SELECT event_id, reason, error, payload, at FROM {dead} WHERE consumer = $1 ORDER BY id"
+            )),
+            prune: s(format!("DELETE FROM {markers} WHERE consumer = $2 AND at < {NOW} - $3")),
+            version_table: s(format!(
+                "CREATE TABLE IF NOT EXISTS {version} (
+    version integer CONSTRAINT {pkey} PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)",
+                pkey = n("schema_version_pkey")
+            )),
+            version_read: s(format!("SELECT max(version) FROM {version}")),
+            version_insert_row: s(format!("INSERT INTO {version} (version) VALUES ($1)")),
+            migrations: vec![(1, s(v1))],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_quoted_and_prefixed() {
+        let config = PgConfig::from_url(crate::DEFAULT_URL).unwrap().with_schema("s1").with_table_prefix("ob_");
+        let tables = PgTables::new(&config).unwrap();
+        assert_eq!(tables.table("events").unwrap(), "\"s1\".\"ob_events\"");
+        assert!(tables.table("events\" x").is_err());
+        assert!(tables.claim_sql().contains("FOR UPDATE SKIP LOCKED"));
+        assert!(tables.claim_sql().contains("\"s1\".\"ob_events\""));
+        assert_eq!(tables.app_table("credits").unwrap(), "\"s1\".\"credits\"");
+        assert!(tables.app_table("Credits").is_err());
+        let (v, sql) = tables.migration_sql().last().unwrap();
+        assert_eq!(v, SCHEMA_VERSION);
+        assert!(sql.contains("\"ob_events_claimable\""));
+    }
+
+    #[test]
+    fn every_named_object_is_listed_in_the_suffixes() {
+        let config = PgConfig::from_url(crate::DEFAULT_URL).unwrap().with_table_prefix("zz_");
+        let tables = PgTables::new(&config).unwrap();
+        let all: String =
+            tables.migration_sql().map(|(_, s)| s.to_string()).collect::<String>() + &tables.sql.version_table;
+        for word in all.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if let Some(suffix) = word.strip_prefix("zz_") {
+                assert!(crate::config::DERIVED_SUFFIXES.contains(&suffix), "{suffix} is not in DERIVED_SUFFIXES");
+            }
+        }
+    }
+}

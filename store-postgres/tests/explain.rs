@@ -1,0 +1,67 @@
+//! `EXPLAIN` of the exact claim statement over a large backlog: the plan must walk the partial
+//! index of open rows, so published rows cost nothing. Ignored by default (it loads 110,000
+//! rows); run with `cargo test -p outbox-store-postgres --test explain -- --ignored --nocapture`.
+
+mod common;
+
+use common::TestDb;
+use outbox_store_postgres::sqlx::{self, AssertSqlSafe};
+
+#[tokio::test]
+#[ignore = "loads 110,000 rows; run explicitly"]
+async fn claim_plan_uses_the_partial_index() {
+    let Some(db) = TestDb::new("explain").await else { return };
+    let tables = db.store.tables();
+    let events = tables.table("events").unwrap();
+    // 100,000 published rows, then 10,000 pending ones, with the store's own headers encoding
+    // (format byte 1, zero headers).
+    db.exec(format!(
+        "INSERT INTO {events} (event_id, destination, headers, payload, token, owner, available_at, created_at, \
+             published_token, published_at)
+         SELECT 'pub-' || g, 'orders', '\\x0100000000'::bytea, convert_to('payload ' || g, 'UTF8'), 1, 'relay', 0, 0, 1, 0
+         FROM generate_series(1, 100000) g;
+         INSERT INTO {events} (event_id, destination, headers, payload, available_at, created_at)
+         SELECT 'pend-' || g, 'orders', '\\x0100000000'::bytea, convert_to('payload ' || g, 'UTF8'), 0, 0
+         FROM generate_series(1, 10000) g;
+         ANALYZE {events};"
+    ))
+    .await;
+
+    let explain = |analyze: bool| {
+        let prefix = if analyze { "EXPLAIN (ANALYZE, BUFFERS, TIMING OFF)" } else { "EXPLAIN" };
+        sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("{prefix} {}", tables.claim_sql())))
+            .bind(None::<i64>)
+            .bind(100_i64)
+            .bind("relay-explain")
+            .bind(30_000_i64)
+    };
+    let plan = explain(false).fetch_all(db.store.pool()).await.unwrap().join("\n");
+    println!("-- EXPLAIN of the claim statement (100,000 published + 10,000 pending rows)\n{plan}");
+    let index = format!("{}events_claimable", tables.prefix());
+    assert!(plan.contains(&format!("Index Scan using {index}")), "the plan does not use {index}:\n{plan}");
+
+    // The same statement executed (in a transaction rolled back afterwards): actual row counts.
+    let mut tx = db.store.pool().begin().await.unwrap();
+    let analyzed = explain(true).fetch_all(&mut *tx).await.unwrap().join("\n");
+    tx.rollback().await.unwrap();
+    println!("-- EXPLAIN (ANALYZE, BUFFERS) of the same statement, rolled back\n{analyzed}");
+    assert!(analyzed.contains(&index));
+
+    // The generic plan (what a prepared statement may switch to, with the clock unknown).
+    let mut conn = db.store.pool().acquire().await.unwrap();
+    db_exec(&mut conn, format!("PREPARE claim_generic(bigint, bigint, text, bigint) AS {}", tables.claim_sql())).await;
+    db_exec(&mut conn, "SET plan_cache_mode = force_generic_plan".into()).await;
+    let generic: Vec<String> =
+        sqlx::query_scalar(AssertSqlSafe("EXPLAIN EXECUTE claim_generic(1767225600000, 100, 'relay', 30000)"))
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+    let generic = generic.join("\n");
+    db_exec(&mut conn, "DEALLOCATE claim_generic; RESET plan_cache_mode".into()).await;
+    println!("-- generic plan of the same statement\n{generic}");
+    assert!(generic.contains(&format!("Index Scan using {index}")), "generic plan:\n{generic}");
+}
+
+async fn db_exec(conn: &mut sqlx::PgConnection, sql: String) {
+    sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await.unwrap();
+}

@@ -493,11 +493,16 @@ macro_rules! ensure {
 async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "f5_concurrent_duplicates";
     const ROUNDS: usize = 10;
-    let payloads = [CREDIT; ROUNDS];
-    let world = World::new(h, CASE, &payloads, EffectKind::Additive).await?;
-    let fx = world.fixture();
+    // No World here: its consumer would be a second live member of the group, and on brokers
+    // that assign partitions (Kafka) an idle member can hold the only partition.
+    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    fx.broker.declare(&fx.destination, &[suite_group()]).await?;
     let wait = h.capabilities().delivery_wait;
-    let events = world.events().to_vec();
+    let tag = crate::world::unique_tag();
+    let events: Vec<Event> = (0..ROUNDS)
+        .map(|i| Ok(Event::new(EventId::new(format!("{CASE}.{tag}.e{i}"))?, fx.destination.clone(), CREDIT)))
+        .collect::<outbox_core::Result<_>>()?;
+    fx.store.enqueue(&events).await?;
     let consumer = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
     let other = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
     let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;

@@ -14,10 +14,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use outbox_core::{Error, ErrorKind, Event, Result, RowId};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
 
-use crate::codec::encode_headers;
 use crate::error::{BACKEND, Phase, map};
 use crate::store::corrupt;
 use crate::tables::PgTables;
+use outbox_core::event::encode_headers;
 
 /// Insert `events` as pending outbox rows on `conn` (typically `&mut *tx`), in one statement.
 ///

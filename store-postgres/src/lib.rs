@@ -1,6 +1,5 @@
 #![doc = include_str!("../README.md")]
 
-mod codec;
 mod config;
 mod enqueue;
 mod error;

@@ -19,11 +19,11 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row};
 
-use crate::codec::decode_headers;
 use crate::config::PgConfig;
 use crate::error::{BACKEND, Phase, map, map_commit_error};
 use crate::inbox::PgInbox;
 use crate::tables::{PgTables, SCHEMA_VERSION};
+use outbox_core::event::decode_headers;
 
 /// Longest duration passed to SQL, in ms (about 100 years): keeps `now + duration` far from
 /// `bigint` overflow whatever the caller asks for.
@@ -347,7 +347,7 @@ impl StoredRow {
             id: EventId::new(event_id).map_err(bad)?,
             destination: Destination::new(destination).map_err(bad)?,
             key: get(row, "key")?,
-            headers: decode_headers(&get::<Vec<u8>>(row, "headers")?)?,
+            headers: decode_headers(&get::<Vec<u8>>(row, "headers")?, BACKEND)?,
             payload: get(row, "payload")?,
         };
         let attempts: i32 = get(row, "attempts")?;

@@ -9,8 +9,8 @@ use outbox_core::event::DEFAULT_MAX_PAYLOAD;
 use outbox_core::{Clock, Error, ErrorKind, Event, Result, RowId, SystemClock, Timestamp};
 use rusqlite::{Connection, Transaction};
 
-use crate::codec::encode_headers;
 use crate::error::{BACKEND, ResultExt, map};
+use outbox_core::event::encode_headers;
 
 /// Enqueue `events` in the caller's transaction `tx`, stamped with the system clock and checked
 /// against [`DEFAULT_MAX_PAYLOAD`].

@@ -18,12 +18,12 @@ use outbox_core::{
 use rusqlite::types::Value;
 use rusqlite::{Connection, Transaction, TransactionBehavior};
 
-use crate::codec::decode_headers;
 use crate::config::SqliteConfig;
 use crate::enqueue::insert_events;
 use crate::error::{BACKEND, ResultExt, corrupt, map_commit};
 use crate::pool::Pool;
 use crate::schema;
+use outbox_core::event::decode_headers;
 
 /// The columns [`RawRow::read`] expects, in order.
 macro_rules! row_columns {
@@ -265,7 +265,7 @@ impl RawRow {
             |what: &str, e: Error| corrupt(format!("outbox row {row}: stored {what} is invalid: {}", e.message()));
         let id = EventId::new(self.event_id).map_err(|e| bad("event id", e))?;
         let destination = Destination::new(self.destination).map_err(|e| bad("destination", e))?;
-        let headers = decode_headers(&self.headers).map_err(|e| bad("headers", e))?;
+        let headers = decode_headers(&self.headers, BACKEND).map_err(|e| bad("headers", e))?;
         let unsigned = |what: &str, v: i64| {
             u64::try_from(v).map_err(|_| corrupt(format!("outbox row {row}: {what} {v} is negative")))
         };

@@ -655,35 +655,3 @@ async fn deleted_stream_closes_the_subscription() {
     assert!(err.is_permanent());
     assert_eq!(env.broker.stream_len(&env.dest).await.unwrap(), 0);
 }
-
-/// Run by hand: `cargo test -p outbox-broker-redis --release --test redis -- --ignored --nocapture`.
-#[tokio::test]
-#[ignore = "measurement, not a check"]
-async fn measure_throughput() {
-    for (label, f) in [
-        ("plain XADD", (|c| c) as fn(RedisConfig) -> RedisConfig),
-        ("dedupe + max_len script", |c: RedisConfig| {
-            c.with_dedupe_window(Duration::from_secs(60)).with_max_len(100_000)
-        }),
-    ] {
-        let Some(env) = env(f).await else { return };
-        env.broker.declare(&env.dest, std::slice::from_ref(&env.group)).await.unwrap();
-        let n = 2000;
-        let started = Instant::now();
-        for i in 0..n {
-            env.broker.publish(&env.event(&format!("m-{i}"), &[0u8; 256])).await.unwrap();
-        }
-        let publish = started.elapsed();
-        let mut sub = env.broker.subscription(&env.dest, &env.group).await.unwrap();
-        let started = Instant::now();
-        for _ in 0..n {
-            next_within(&mut sub, Duration::from_secs(5)).await.expect("delivery").ack().await.unwrap();
-        }
-        let consume = started.elapsed();
-        eprintln!(
-            "{label}: publish {:.0}/s, consume+ack {:.0}/s (n={n}, 256-byte payloads, sequential)",
-            f64::from(n) / publish.as_secs_f64(),
-            f64::from(n) / consume.as_secs_f64()
-        );
-    }
-}

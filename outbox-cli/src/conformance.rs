@@ -19,7 +19,8 @@ pub(crate) async fn run(memory: bool) -> outbox_core::Result<bool> {
     let (text, ok) = table(&results);
     println!("conformance suite against {name}\n");
     println!("{text}");
-    let passed = results.iter().filter(|(_, r)| matches!(r, Ok(outbox_conformance_tests::CaseResult::Passed(_)))).count();
+    let passed =
+        results.iter().filter(|(_, r)| matches!(r, Ok(outbox_conformance_tests::CaseResult::Passed(_)))).count();
     println!(
         "{passed} of {} cases passed in {:.1?}; verdict: {}",
         results.len(),

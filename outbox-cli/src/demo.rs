@@ -135,7 +135,8 @@ impl OutboxStore for StallAfterSend {
 struct Credit;
 
 fn parse_credit(event: &Event) -> Result<(String, i64)> {
-    let bad = || Error::permanent(ErrorKind::Handler, "demo", format!("event {}: payload is not account:amount", event.id));
+    let bad =
+        || Error::permanent(ErrorKind::Handler, "demo", format!("event {}: payload is not account:amount", event.id));
     let text = std::str::from_utf8(&event.payload).map_err(|_| bad())?;
     let (account, amount) = text.split_once(':').ok_or_else(bad)?;
     Ok((account.to_string(), amount.parse().map_err(|_| bad())?))
@@ -151,7 +152,10 @@ impl Handler<SqliteStore> for Credit {
         let (account, amount) = parse_credit(event)?;
         let id = event.id.to_string();
         tx.run(move |c| {
-            c.execute("INSERT INTO credits (event_id, account, amount) VALUES (?1, ?2, ?3)", params![id, account, amount])?;
+            c.execute(
+                "INSERT INTO credits (event_id, account, amount) VALUES (?1, ?2, ?3)",
+                params![id, account, amount],
+            )?;
             c.execute(
                 "INSERT INTO balances (account, balance) VALUES (?1, ?2)
                  ON CONFLICT (account) DO UPDATE SET balance = balance + excluded.balance",
@@ -183,7 +187,11 @@ fn remove_db(path: &std::path::Path) -> Result<()> {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => {
-                return Err(Error::permanent(ErrorKind::Rejected, "demo", format!("cannot remove {}: {e}", p.display())));
+                return Err(Error::permanent(
+                    ErrorKind::Rejected,
+                    "demo",
+                    format!("cannot remove {}: {e}", p.display()),
+                ));
             }
         }
     }
@@ -303,7 +311,14 @@ pub(crate) async fn run(args: DemoArgs) -> Result<bool> {
     // 3. Judge from durable state only.
     let report = Report::read(&producer, &consumer_db, &broker, &credits).await?;
     let elapsed = started.elapsed();
-    Ok(report.print(&args, &consumer_path, &handled, totals_a.fenced + totals_b.fenced, stalling.stalled_rows.load(Ordering::Relaxed), elapsed))
+    Ok(report.print(
+        &args,
+        &consumer_path,
+        &handled,
+        totals_a.fenced + totals_b.fenced,
+        stalling.stalled_rows.load(Ordering::Relaxed),
+        elapsed,
+    ))
 }
 
 fn join_error(e: tokio::task::JoinError) -> Error {
@@ -326,8 +341,11 @@ async fn produce(producer: &SqliteStore, credits: &Destination, args: &DemoArgs)
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(sqlite_error)?;
             let mut events = Vec::with_capacity(batch.len());
             for (id, account, amount) in &batch {
-                tx.execute("INSERT INTO orders (event_id, account, amount) VALUES (?1, ?2, ?3)", params![id, account, amount])
-                    .map_err(sqlite_error)?;
+                tx.execute(
+                    "INSERT INTO orders (event_id, account, amount) VALUES (?1, ?2, ?3)",
+                    params![id, account, amount],
+                )
+                .map_err(sqlite_error)?;
                 events.push(
                     Event::new(EventId::new(id.clone())?, destination.clone(), format!("{account}:{amount}"))
                         .with_key(account.clone()),
@@ -355,7 +373,12 @@ struct Report {
 }
 
 impl Report {
-    async fn read(producer: &SqliteStore, consumer: &SqliteStore, broker: &MemoryBroker, dest: &Destination) -> Result<Self> {
+    async fn read(
+        producer: &SqliteStore,
+        consumer: &SqliteStore,
+        broker: &MemoryBroker,
+        dest: &Destination,
+    ) -> Result<Self> {
         let orders = producer
             .with_connection(|c| {
                 let mut s = c.prepare("SELECT event_id, account, amount FROM orders")?;
@@ -422,7 +445,8 @@ impl Report {
         let total: i64 = expected.values().sum();
 
         let at_least_once = missing.is_empty() && published + parked == committed && stale_rows == 0;
-        let at_most_once = doubled == 0 && self.credits.len() == committed && self.markers == committed && mismatched.is_empty();
+        let at_most_once =
+            doubled == 0 && self.credits.len() == committed && self.markers == committed && mismatched.is_empty();
         let yes = |b: bool| if b { "PASS" } else { "FAIL" };
         println!("outbox demo — embedded default: SQLite + in-process broker");
         println!("  databases            {} (producer), {} (consumer)", args.db.display(), consumer_path.display());
@@ -433,12 +457,19 @@ impl Report {
             "  stale completions    {fenced} rejected by fencing token (relay A stalled after sending {stalled} events until its lease expired; relay B re-offered them); {stale_rows} rows published by a stale token"
         );
         println!("  deliveries handled   {handled:?}");
-        println!("  effects applied      {} credit rows for {} distinct events ({doubled} applied twice)", self.credits.len(), distinct.len());
+        println!(
+            "  effects applied      {} credit rows for {} distinct events ({doubled} applied twice)",
+            self.credits.len(),
+            distinct.len()
+        );
         println!("  inbox markers        {}", self.markers);
         println!("  account balances     {} accounts, total {total}", expected.len());
         for (account, balance) in &self.balances {
             let want = expected.get(account.as_str()).copied().unwrap_or(0);
-            println!("    {account:<12} {balance:>10}   expected {want:>10}  {}", if *balance == want { "ok" } else { "MISMATCH" });
+            println!(
+                "    {account:<12} {balance:>10}   expected {want:>10}  {}",
+                if *balance == want { "ok" } else { "MISMATCH" }
+            );
         }
         println!(
             "  at-least-once offer  {}: every committed event was offered ({} missing) and every row is published or parked",

@@ -11,22 +11,24 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Acker, Channel, ChannelStatus, Consumer};
 use outbox_core::{Acknowledge, ConsumerGroup, Delivery, Destination, Error, ErrorKind, Result, Subscription};
 use tracing::{debug, warn};
 
-use crate::broker::{Inner, close};
+use crate::broker::Inner;
 use crate::codec;
 use crate::error::{BACKEND, Op, from_lapin};
 
 /// A member of a consumer group: a consumer on the group's queue, on a channel of its own.
 ///
-/// Dropping it closes the channel (in the background), which makes RabbitMQ requeue everything
-/// it left unacknowledged. After the channel or connection broke, [`next`](Subscription::next)
-/// returns one [`ErrorKind::Connection`] error and the following call consumes again on a new
-/// channel.
+/// Dropping it cancels the consumer and closes the channel (in the background), which makes
+/// RabbitMQ requeue everything it left unacknowledged. After the channel or connection broke,
+/// [`next`](Subscription::next) returns one [`ErrorKind::Connection`] error and the following
+/// call consumes again on a new channel.
 pub struct AmqpSubscription {
     inner: Arc<Inner>,
     destination: Destination,
@@ -79,8 +81,7 @@ impl AmqpSubscription {
             // From now on this member's deliveries belong to the group again: refuse to settle
             // them, even before the channel's close has reached the server.
             closed.store(true, Ordering::SeqCst);
-            drop(consumer);
-            close(channel);
+            cancel_then_close(channel, consumer);
         }
     }
 
@@ -139,6 +140,33 @@ impl Subscription for AmqpSubscription {
             }
         }
     }
+}
+
+/// Cancel the consumer, then close its channel, in that order, in the background.
+///
+/// Dropping a lapin `Consumer` sends `basic.cancel` from lapin's own task, so a channel closed
+/// straight after races with it, and losing that race breaks the whole consuming connection,
+/// with every other subscription on it: a `basic.cancel` that reaches RabbitMQ after the channel
+/// closed is a connection error (504 `CHANNEL_ERROR`, "expected 'channel.open'"), and one that
+/// lapin finds the channel already closing for is recorded as a connection error on the client.
+/// Cancelling here first, and closing once the server confirmed, keeps the two in order; the
+/// close is what requeues the unacknowledged deliveries.
+fn cancel_then_close(channel: Channel, consumer: Consumer) {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        // Dropped outside a runtime (its connection is going away with it): leave the cancel
+        // and the close to lapin's drop handlers.
+        drop(consumer);
+        drop(channel);
+        return;
+    };
+    handle.spawn(async move {
+        if channel.status().connected() {
+            // Marks the consumer as cancelling, so dropping it afterwards sends nothing more.
+            let _ = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default()).await;
+        }
+        drop(consumer);
+        let _ = channel.close(200, "OK".into()).await;
+    });
 }
 
 impl Drop for AmqpSubscription {

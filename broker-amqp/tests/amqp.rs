@@ -260,6 +260,43 @@ async fn unacked_delivery_returns_to_another_member_when_its_subscription_drops(
     assert_eq!(fx.depth(0).await, 0);
 }
 
+/// Dropping a subscription cancels its consumer and closes its channel. If the channel's close
+/// overtook the `basic.cancel`, RabbitMQ would answer the late cancel with a connection error
+/// (504 "expected 'channel.open'") and take down every other subscription of the broker, which
+/// all share one consuming connection. The race is narrow: many rounds, each dropping a member
+/// that holds a delivery while a sibling keeps consuming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_subscription_leaves_its_siblings_on_the_connection_alone() {
+    if !server() {
+        return;
+    }
+    const ROUNDS: usize = 300;
+    let fx = Fixture::new("drop-sibling", &["a", "b"]);
+    fx.declare().await;
+    let mut a = fx.subscribe(0).await;
+    for i in 0..ROUNDS {
+        let mut b = fx.subscribe(1).await;
+        let event = fx.event(&format!("e{i}"));
+        fx.broker.publish(&event).await.unwrap();
+        let held = next(&mut b).await;
+        drop(b); // goes away holding `held` unacknowledged
+        drop(held);
+        let d = a.next(WAIT).await.unwrap_or_else(|e| panic!("round {i}: the sibling subscription broke: {e}"));
+        let d = d.expect("a delivery within the wait");
+        assert_eq!(d.event, event);
+        d.ack().await.unwrap_or_else(|e| panic!("round {i}: ack on the sibling failed: {e}"));
+    }
+    assert!(a.next(QUIET).await.unwrap().is_none());
+    // Every round's message is back in b's queue, none was lost with a broken connection.
+    let mut b = fx.subscribe(1).await;
+    let mut ids = BTreeSet::new();
+    while let Some(d) = b.next(QUIET).await.unwrap() {
+        ids.insert(d.event.id.to_string());
+        d.ack().await.unwrap();
+    }
+    assert_eq!(ids.len(), ROUNDS);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acked_delivery_is_not_redelivered() {
     if !server() {

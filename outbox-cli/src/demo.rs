@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -18,8 +18,8 @@ use outbox_core::memory::MemoryBroker;
 use outbox_core::rng::SplitMix64;
 use outbox_core::store::all_rows;
 use outbox_core::{
-    Broker, Claimed, Completion, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, Inbox, Lease,
-    OutboxStats, OutboxStore, Outcome, ParkedRow, Relay, RelayConfig, Result, RowId, RowSnapshot, RowStatus,
+    Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, Inbox, OutboxStore, Relay, RelayConfig,
+    Result, RowSnapshot, RowStatus, Subscription,
 };
 use outbox_store_sqlite::rusqlite::{TransactionBehavior, params};
 use outbox_store_sqlite::{SqliteConfig, SqliteStore, SqliteTx, sqlite_error};
@@ -40,9 +40,9 @@ pub(crate) struct DemoArgs {
     /// Relay lease length, in milliseconds.
     #[arg(long, default_value_t = 200)]
     lease_ms: u64,
-    /// Batches relay A stalls on (after sending, until its lease expired).
-    #[arg(long, default_value_t = 3)]
-    stalls: u32,
+    /// Events relay A stalls on after sending them, until relay B re-offered them.
+    #[arg(long, default_value_t = 100)]
+    stalls: u64,
     /// Seed for the credit amounts.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -53,80 +53,43 @@ pub(crate) struct DemoArgs {
 
 const CONSUMER: &str = "ledger";
 
-/// An outbox store whose `complete_many` waits, a limited number of times, until every row of
-/// the batch was claimed again by someone else: a relay that paused after sending (GC, network,
-/// a slow disk) past its lease.
+/// A broker whose publish, for the first `remaining` events, returns only after another relay
+/// has published the same event again: relay A "pauses after sending" (GC, network, a slow disk)
+/// past its lease, relay B re-claims the rows with a newer token and re-offers them, and A's late
+/// completion is fenced. A decorator of the `Broker` trait; relay and store are untouched.
 struct StallAfterSend {
-    inner: SqliteStore,
-    remaining: AtomicU32,
-    stalled_rows: AtomicU64,
+    inner: MemoryBroker,
+    remaining: AtomicU64,
+    stalled: AtomicU64,
     limit: Duration,
 }
 
-impl StallAfterSend {
-    async fn reclaimed(&self, row: RowId, lease: &Lease) -> Result<bool> {
-        Ok(self
-            .inner
-            .inspect(row - 1, 1)
-            .await?
-            .first()
-            .is_none_or(|r| r.token > lease.token || r.status == RowStatus::Published))
-    }
-}
-
 #[async_trait]
-impl OutboxStore for StallAfterSend {
+impl Broker for StallAfterSend {
     fn backend(&self) -> &'static str {
-        OutboxStore::backend(&self.inner)
+        self.inner.backend()
     }
-    async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
-        self.inner.enqueue(events).await
+
+    async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
+        self.inner.declare(destination, groups).await
     }
-    async fn claim(&self, owner: &str, limit: usize, lease: Duration) -> Result<Vec<Claimed>> {
-        self.inner.claim(owner, limit, lease).await
-    }
-    async fn complete(&self, row: RowId, lease: &Lease) -> Result<Completion> {
-        self.inner.complete(row, lease).await
-    }
-    async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
-        let stall = self.remaining.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
-        if stall {
-            self.stalled_rows.fetch_add(rows.len() as u64, Ordering::Relaxed);
+
+    async fn publish(&self, event: &Event) -> Result<()> {
+        self.inner.publish(event).await?;
+        if self.remaining.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            self.stalled.fetch_add(1, Ordering::Relaxed);
             let deadline = Instant::now() + self.limit;
-            for (row, lease) in rows {
-                while !self.reclaimed(*row, lease).await? && Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
+            while self.inner.log(&event.destination).iter().filter(|e| e.id == event.id).count() < 2
+                && Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
-        self.inner.complete_many(rows).await
+        Ok(())
     }
-    async fn fail(&self, row: RowId, lease: &Lease, d: Duration, e: &str) -> Result<Outcome> {
-        self.inner.fail(row, lease, d, e).await
-    }
-    async fn park(&self, row: RowId, lease: &Lease, reason: &str) -> Result<Outcome> {
-        self.inner.park(row, lease, reason).await
-    }
-    async fn extend(&self, row: RowId, lease: &Lease, by: Duration) -> Result<Outcome> {
-        self.inner.extend(row, lease, by).await
-    }
-    async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome> {
-        self.inner.release(row, lease).await
-    }
-    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
-        self.inner.list_parked(limit).await
-    }
-    async fn requeue_parked(&self, rows: &[RowId]) -> Result<u64> {
-        self.inner.requeue_parked(rows).await
-    }
-    async fn purge_parked(&self, rows: &[RowId]) -> Result<u64> {
-        self.inner.purge_parked(rows).await
-    }
-    async fn stats(&self) -> Result<OutboxStats> {
-        self.inner.stats().await
-    }
-    async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {
-        self.inner.inspect(after, limit).await
+
+    async fn subscribe(&self, destination: &Destination, group: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        self.inner.subscribe(destination, group).await
     }
 }
 
@@ -239,9 +202,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<bool> {
     // 2. Two relays and a consumer, concurrently.
     let lease = Duration::from_millis(args.lease_ms.max(10));
     let stalling = Arc::new(StallAfterSend {
-        inner: producer.clone(),
-        remaining: AtomicU32::new(args.stalls),
-        stalled_rows: AtomicU64::new(0),
+        inner: broker.clone(),
+        remaining: AtomicU64::new(args.stalls),
+        stalled: AtomicU64::new(0),
         limit: lease * 50,
     });
     let relay_config = |owner: &str| RelayConfig {
@@ -251,7 +214,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<bool> {
         idle_poll: Duration::from_millis(10),
         ..RelayConfig::default()
     };
-    let relay_a = Arc::new(Relay::new(stalling.clone(), Arc::new(broker.clone()), relay_config("relay-A")));
+    let relay_a = Arc::new(Relay::new(Arc::new(producer.clone()), stalling.clone(), relay_config("relay-A")));
     let relay_b = Arc::new(Relay::new(Arc::new(producer.clone()), Arc::new(broker.clone()), relay_config("relay-B")));
     let consumer = Consumer::new(consumer_db.clone(), Credit, ConsumerConfig::new(CONSUMER));
     let mut subscription = broker.subscribe(&credits, &ledger).await?;
@@ -316,7 +279,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<bool> {
         &consumer_path,
         &handled,
         totals_a.fenced + totals_b.fenced,
-        stalling.stalled_rows.load(Ordering::Relaxed),
+        stalling.stalled.load(Ordering::Relaxed),
         elapsed,
     ))
 }

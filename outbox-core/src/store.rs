@@ -84,6 +84,22 @@ pub enum RowStatus {
     Parked,
 }
 
+impl RowStatus {
+    /// The status of a row from its durable columns at time `now` — the one rule every store
+    /// applies: published wins, then parked, then a lease that has not expired, else pending.
+    pub fn of(published: bool, parked: bool, lease_expires_at: Option<Timestamp>, now: Timestamp) -> Self {
+        if published {
+            Self::Published
+        } else if parked {
+            Self::Parked
+        } else if lease_expires_at.is_some_and(|e| e > now) {
+            Self::Leased
+        } else {
+            Self::Pending
+        }
+    }
+}
+
 /// Everything durable about one row, for tests, operators and the conformance suite.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowSnapshot {

@@ -369,15 +369,8 @@ impl StoredRow {
     }
 
     fn status(&self, now: i64) -> RowStatus {
-        if self.published_token.is_some() {
-            RowStatus::Published
-        } else if self.parked_at.is_some() {
-            RowStatus::Parked
-        } else if self.lease_expires_at.is_some_and(|e| e > now) {
-            RowStatus::Leased
-        } else {
-            RowStatus::Pending
-        }
+        let expires = self.lease_expires_at.map(Timestamp::from_millis);
+        RowStatus::of(self.published_token.is_some(), self.parked_at.is_some(), expires, Timestamp::from_millis(now))
     }
 
     fn record(&self) -> OutboxRecord {

@@ -304,15 +304,7 @@ struct StoredRow {
 impl StoredRow {
     /// Same rule as the reference model.
     fn status(&self, now: Timestamp) -> RowStatus {
-        if self.published_token.is_some() {
-            RowStatus::Published
-        } else if self.parked_at.is_some() {
-            RowStatus::Parked
-        } else if self.lease_expires_at.is_some_and(|e| e > now) {
-            RowStatus::Leased
-        } else {
-            RowStatus::Pending
-        }
+        RowStatus::of(self.published_token.is_some(), self.parked_at.is_some(), self.lease_expires_at, now)
     }
 
     fn into_record(self) -> OutboxRecord {

@@ -29,15 +29,7 @@ struct Row {
 
 impl Row {
     fn status(&self, now: Timestamp) -> RowStatus {
-        if self.published_token.is_some() {
-            RowStatus::Published
-        } else if self.parked_at.is_some() {
-            RowStatus::Parked
-        } else if self.expires_at.is_some_and(|e| e > now) {
-            RowStatus::Leased
-        } else {
-            RowStatus::Pending
-        }
+        RowStatus::of(self.published_token.is_some(), self.parked_at.is_some(), self.expires_at, now)
     }
 
     fn claimable(&self, now: Timestamp) -> bool {

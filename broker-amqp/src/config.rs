@@ -10,17 +10,20 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
+use outbox_core::config::{ConnectionUrl, UrlSpec, env_url};
 use outbox_core::event::DEFAULT_MAX_PAYLOAD;
 use outbox_core::{ConsumerGroup, Destination, Error, ErrorKind, Event, Result};
-use url::{Host, Url};
 
 use crate::error::BACKEND;
 
 /// Environment variable read by [`AmqpConfig::from_env`].
 pub const ENV_URL: &str = "OUTBOX_AMQP_URL";
 
-/// The URL of a local RabbitMQ with the default account (`guest`/`guest`, vhost `/`).
-pub const LOCAL_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The URLs [`AmqpConfig::from_url`] accepts.
+const URL_SPEC: UrlSpec = UrlSpec::new(BACKEND, &["amqp", "amqps"]);
+
+/// The AMQP handshake parameters the URL may carry besides the `outbox_*` ones.
+const DRIVER_PARAMS: &str = "or the AMQP handshake parameters heartbeat, frame_max, channel_max, auth_mechanism";
 
 /// Default [`AmqpConfig::prefetch`].
 pub const DEFAULT_PREFETCH: u16 = 32;
@@ -36,8 +39,6 @@ pub const DEFAULT_PUBLISH_CHANNELS: usize = 16;
 
 /// Longest exchange, queue or routing-key name AMQP 0-9-1 can carry (a `shortstr`).
 pub const MAX_NAME_LEN: usize = 255;
-
-const REDACTED: &str = "***";
 
 /// The type of the queue declared for each consumer group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -69,7 +70,7 @@ impl FromStr for QueueType {
         match s.to_ascii_lowercase().as_str() {
             "classic" => Ok(Self::Classic),
             "quorum" => Ok(Self::Quorum),
-            _ => Err(Error::config(BACKEND, format!("queue_type={s:?}: expected `classic` or `quorum`"))),
+            _ => Err(Error::config(BACKEND, format!("expected `classic` or `quorum` for queue_type, not {s:?}"))),
         }
     }
 }
@@ -111,7 +112,7 @@ impl FromStr for RoutingKey {
         match s.to_ascii_lowercase().as_str() {
             "destination" => Ok(Self::Destination),
             "key" | "event_key" => Ok(Self::EventKey),
-            _ => Err(Error::config(BACKEND, format!("routing_key={s:?}: expected `destination` or `key`"))),
+            _ => Err(Error::config(BACKEND, format!("expected `destination` or `key` for routing_key, not {s:?}"))),
         }
     }
 }
@@ -131,26 +132,28 @@ impl fmt::Display for RoutingKey {
 ///
 /// | parameter | meaning | default |
 /// |---|---|---|
-/// | `exchange_prefix` | prepended to the destination to name its exchange | empty |
-/// | `queue_prefix` | prepended to `<destination>.<group>` to name a group's queue | empty |
-/// | `queue_type` | `classic` or `quorum` | `classic` |
-/// | `routing_key` | `destination` or `key` (see [`RoutingKey`]) | `destination` |
-/// | `prefetch` | unacknowledged deliveries per subscription | 32 |
-/// | `confirm_timeout_ms` | wait for a publisher confirm | 10000 |
-/// | `connect_timeout_ms` | wait for a connection | 10000 |
-/// | `publish_channels` | publishes in flight at once | 16 |
-/// | `declare_topology` | declare exchanges and queues (`true`/`false`) | `true` |
-/// | `max_payload` | largest payload accepted, in bytes | 1048576 |
-/// | `connection_name` | name shown in the management UI | `outbox` |
+/// | `outbox_exchange_prefix` | prepended to the destination to name its exchange | empty |
+/// | `outbox_queue_prefix` | prepended to `<destination>.<group>` to name a group's queue | empty |
+/// | `outbox_queue_type` | `classic` or `quorum` | `classic` |
+/// | `outbox_routing_key` | `destination` or `key` (see [`RoutingKey`]) | `destination` |
+/// | `outbox_prefetch` | unacknowledged deliveries per subscription | 32 |
+/// | `outbox_confirm_timeout_ms` | wait for a publisher confirm | 10000 |
+/// | `outbox_connect_timeout_ms` | wait for a connection | 10000 |
+/// | `outbox_publish_channels` | publishes in flight at once | 16 |
+/// | `outbox_declare_topology` | declare exchanges and queues (`true`/`false`) | `true` |
+/// | `outbox_max_payload` | largest payload accepted, in bytes | 1048576 |
+/// | `outbox_connection_name` | name shown in the management UI | `outbox` |
 /// | `heartbeat`, `frame_max`, `channel_max`, `auth_mechanism` | passed to the AMQP handshake | server's |
 ///
-/// An unknown parameter is a configuration error, so a typo cannot silently fall back to a
-/// default.
+/// User name, password and vhost are percent-decoded (`p%40ss` is `p@ss`). An unknown
+/// parameter is a configuration error that lists the known ones, so a typo cannot silently fall
+/// back to a default.
 ///
 /// `Debug` and `Display` show the URL with the password replaced by `***`.
 #[derive(Clone)]
 pub struct AmqpConfig {
-    url: Url,
+    /// The URL as given, password redacted.
+    redacted_url: String,
     uri: AMQPUri,
     exchange_prefix: String,
     exchanges: BTreeMap<Destination, String>,
@@ -173,35 +176,20 @@ impl AmqpConfig {
     /// [`ErrorKind::Config`] (permanent) for a malformed URL, a scheme other than `amqp` or
     /// `amqps`, or an unknown or invalid parameter. The message never contains the password.
     pub fn from_url(url: &str) -> Result<Self> {
-        // The url crate's message never echoes the input, so the password cannot leak here.
-        let url = Url::parse(url).map_err(|e| Error::config(BACKEND, format!("invalid AMQP URL: {e}")))?;
-        let scheme = match url.scheme() {
-            "amqp" => AMQPScheme::AMQP,
-            "amqps" => AMQPScheme::AMQPS,
-            other => {
-                return Err(Error::config(BACKEND, format!("URL scheme {other:?} is not `amqp` or `amqps`")));
-            }
-        };
-        let host = match url.host() {
-            Some(Host::Domain(d)) => decode(d, "host")?,
-            Some(Host::Ipv4(a)) => a.to_string(),
-            Some(Host::Ipv6(a)) => a.to_string(),
-            None => return Err(Error::config(BACKEND, "the AMQP URL has no host")),
-        };
-        let port = url.port().unwrap_or_else(|| scheme.default_port());
+        let mut url = ConnectionUrl::parse(&URL_SPEC, url)?;
+        let scheme = if url.scheme() == "amqps" { AMQPScheme::AMQPS } else { AMQPScheme::AMQP };
+        let host = url.require_host()?;
+        let (host, port) = (host.host().to_string(), host.port_or(scheme.default_port()));
         let default_user = AMQPUserInfo::default();
-        let username = match url.username() {
-            "" => default_user.username,
-            u => decode(u, "user name")?,
+        let username = match url.user() {
+            None | Some("") => default_user.username,
+            Some(u) => u.to_string(),
         };
-        let password = match url.password() {
-            None => default_user.password,
-            Some(p) => decode(p, "password")?,
-        };
+        let password = url.password().map_or(default_user.password, str::to_string);
         // RabbitMQ's URI spec: no path is the default vhost "/", "/" alone is the vhost "".
         let vhost = match url.path() {
             "" => "/".to_string(),
-            p => decode(p.strip_prefix('/').unwrap_or(p), "vhost")?,
+            p => p.strip_prefix('/').unwrap_or(p).to_string(),
         };
 
         let mut config = Self {
@@ -211,7 +199,7 @@ impl AmqpConfig {
                 vhost,
                 query: AMQPQueryString::default(),
             },
-            url: url.clone(),
+            redacted_url: url.redacted().to_string(),
             exchange_prefix: String::new(),
             exchanges: BTreeMap::new(),
             queue_prefix: String::new(),
@@ -225,49 +213,63 @@ impl AmqpConfig {
             max_payload: DEFAULT_MAX_PAYLOAD,
             connection_name: "outbox".to_string(),
         };
-        for (name, value) in url.query_pairs() {
-            let value = value.as_ref();
-            match name.as_ref() {
-                "exchange_prefix" => config = config.with_exchange_prefix(value)?,
-                "queue_prefix" => config = config.with_queue_prefix(value)?,
-                "queue_type" => config.queue_type = value.parse()?,
-                "routing_key" => config.routing_key = value.parse()?,
-                "prefetch" => config = config.with_prefetch(number(&name, value)?)?,
-                "confirm_timeout_ms" => {
-                    config = config.with_confirm_timeout(Duration::from_millis(number(&name, value)?))?;
-                }
-                "connect_timeout_ms" => {
-                    config = config.with_connect_timeout(Duration::from_millis(number(&name, value)?))?;
-                }
-                "publish_channels" => config = config.with_publish_channels(number(&name, value)?)?,
-                "declare_topology" => config.declare_topology = boolean(&name, value)?,
-                "max_payload" => config.max_payload = number(&name, value)?,
-                "connection_name" => config.connection_name = value.to_string(),
-                "heartbeat" => config.uri.query.heartbeat = Some(number(&name, value)?),
-                "frame_max" => config.uri.query.frame_max = Some(number(&name, value)?),
-                "channel_max" => config.uri.query.channel_max = Some(number(&name, value)?),
+        if let Some(prefix) = url.outbox_str("outbox_exchange_prefix") {
+            config = config.with_exchange_prefix(prefix)?;
+        }
+        if let Some(prefix) = url.outbox_str("outbox_queue_prefix") {
+            config = config.with_queue_prefix(prefix)?;
+        }
+        if let Some(queue_type) = url.outbox_parse("outbox_queue_type")? {
+            config.queue_type = queue_type;
+        }
+        if let Some(routing_key) = url.outbox_parse("outbox_routing_key")? {
+            config.routing_key = routing_key;
+        }
+        if let Some(prefetch) = url.outbox_number("outbox_prefetch")? {
+            config = config.with_prefetch(prefetch)?;
+        }
+        if let Some(timeout) = url.outbox_duration_ms("outbox_confirm_timeout_ms")? {
+            config = config.with_confirm_timeout(timeout)?;
+        }
+        if let Some(timeout) = url.outbox_duration_ms("outbox_connect_timeout_ms")? {
+            config = config.with_connect_timeout(timeout)?;
+        }
+        if let Some(channels) = url.outbox_usize("outbox_publish_channels")? {
+            config = config.with_publish_channels(channels)?;
+        }
+        if let Some(declare) = url.outbox_bool("outbox_declare_topology")? {
+            config.declare_topology = declare;
+        }
+        if let Some(bytes) = url.outbox_usize("outbox_max_payload")? {
+            config.max_payload = bytes;
+        }
+        if let Some(name) = url.outbox_str("outbox_connection_name") {
+            config.connection_name = name;
+        }
+        url.finish()?;
+        for (name, value) in url.params() {
+            let query = &mut config.uri.query;
+            match name.as_str() {
+                "heartbeat" => query.heartbeat = Some(driver_number(&url, name, value)?),
+                "frame_max" => query.frame_max = Some(driver_number(&url, name, value)?),
+                "channel_max" => query.channel_max = Some(driver_number(&url, name, value)?),
                 "auth_mechanism" => {
-                    config.uri.query.auth_mechanism = Some(
-                        value.parse().map_err(|e: String| Error::config(BACKEND, format!("auth_mechanism: {e}")))?,
-                    );
+                    query.auth_mechanism = Some(value.parse().map_err(|e: String| url.param_error(name, value, e))?);
                 }
-                other => {
-                    return Err(Error::config(BACKEND, format!("unknown AMQP URL parameter {other:?}")));
-                }
+                _ => return Err(url.unknown_param_error(name, DRIVER_PARAMS)),
             }
         }
         Ok(config)
     }
 
-    /// Parse the URL in the environment variable [`ENV_URL`] (`OUTBOX_AMQP_URL`).
+    /// Parse the URL in the environment variable [`ENV_URL`] (`OUTBOX_AMQP_URL`). There is no
+    /// default server.
     ///
     /// # Errors
-    /// [`ErrorKind::Config`] when the variable is unset or not valid Unicode, or as
+    /// [`ErrorKind::Config`] when the variable is unset, blank or not valid Unicode, or as
     /// [`from_url`](Self::from_url).
     pub fn from_env() -> Result<Self> {
-        let url = std::env::var(ENV_URL)
-            .map_err(|e| Error::config(BACKEND, format!("environment variable {ENV_URL}: {e}")))?;
-        Self::from_url(&url)
+        Self::from_url(&env_url(ENV_URL, BACKEND)?)
     }
 
     /// Prefix of every exchange name: the exchange of destination `d` is `<prefix><d>` unless
@@ -391,12 +393,7 @@ impl AmqpConfig {
 
     /// The URL with the password replaced by `***`.
     pub fn redacted_url(&self) -> String {
-        let mut url = self.url.clone();
-        if url.password().is_some() {
-            // Only fails for URLs that cannot have a password, which this one does.
-            let _ = url.set_password(Some(REDACTED));
-        }
-        url.to_string()
+        self.redacted_url.clone()
     }
 
     /// See [`with_exchange_prefix`](Self::with_exchange_prefix).
@@ -525,26 +522,11 @@ impl FromStr for AmqpConfig {
     }
 }
 
-fn decode(s: &str, what: &str) -> Result<String> {
-    percent_encoding::percent_decode_str(s)
-        .decode_utf8()
-        .map(|v| v.into_owned())
-        .map_err(|_| Error::config(BACKEND, format!("the {what} of the AMQP URL is not UTF-8 once percent-decoded")))
-}
-
-fn number<T: FromStr>(name: &str, value: &str) -> Result<T>
+fn driver_number<T: FromStr>(url: &ConnectionUrl, name: &str, value: &str) -> Result<T>
 where
     T::Err: fmt::Display,
 {
-    value.parse().map_err(|e| Error::config(BACKEND, format!("{name}={value:?}: {e}")))
-}
-
-fn boolean(name: &str, value: &str) -> Result<bool> {
-    match value.to_ascii_lowercase().as_str() {
-        "true" | "1" | "yes" | "on" => Ok(true),
-        "false" | "0" | "no" | "off" => Ok(false),
-        _ => Err(Error::config(BACKEND, format!("{name}={value:?}: expected `true` or `false`"))),
-    }
+    value.parse().map_err(|e| url.param_error(name, value, e))
 }
 
 fn non_zero(what: &str, d: Duration) -> Result<Duration> {
@@ -580,9 +562,10 @@ mod tests {
     #[test]
     fn parses_url_and_parameters() {
         let c = AmqpConfig::from_url(
-            "amqps://alice:s%3Acret@10.1.2.3:5999/prod?queue_type=quorum&prefetch=7&confirm_timeout_ms=250\
-             &exchange_prefix=t1.&queue_prefix=q.&routing_key=key&declare_topology=false&publish_channels=3\
-             &heartbeat=5",
+            "amqps://alice:s%3Acret@10.1.2.3:5999/prod?outbox_queue_type=quorum&outbox_prefetch=7\
+             &outbox_confirm_timeout_ms=250&outbox_exchange_prefix=t1.&outbox_queue_prefix=q.\
+             &outbox_routing_key=key&outbox_declare_topology=false&outbox_publish_channels=3&heartbeat=5\
+             &outbox_connect_timeout_ms=400&outbox_max_payload=99&outbox_connection_name=relay%20a&frame_max=8192",
         )
         .unwrap();
         let uri = c.amqp_uri();
@@ -599,6 +582,10 @@ mod tests {
         assert_eq!(c.routing_key(), RoutingKey::EventKey);
         assert!(!c.declare_topology());
         assert_eq!(c.publish_channels(), 3);
+        assert_eq!(c.connect_timeout(), Duration::from_millis(400));
+        assert_eq!(c.max_payload(), 99);
+        assert_eq!(c.connection_name(), "relay a");
+        assert_eq!(uri.query.frame_max, Some(8192));
         let d = Destination::new("orders").unwrap();
         let g = ConsumerGroup::new("billing").unwrap();
         assert_eq!(c.exchange_name(&d).unwrap(), "t1.orders");
@@ -622,11 +609,20 @@ mod tests {
     fn rejects_bad_urls_without_echoing_secrets() {
         for bad in [
             "http://u:topsecret@h/",
-            "amqp://u:topsecret@h/?prefetch=0",
-            "amqp://u:topsecret@h/?prefetch=x",
+            "amqp://u:topsecret@h/?outbox_prefetch=0",
+            "amqp://u:topsecret@h/?outbox_prefetch=x",
+            "amqp://u:topsecret@h/?outbox_prefetch=65536",
             "amqp://u:topsecret@h/?bogus=1",
-            "amqp://u:topsecret@h/?queue_type=stream",
-            "amqp://u:topsecret@h/?exchange_prefix=a%20b",
+            "amqp://u:topsecret@h/?outbox_bogus=1",
+            "amqp://u:topsecret@h/?prefetch=4",
+            "amqp://u:topsecret@h/?outbox_queue_type=stream",
+            "amqp://u:topsecret@h/?outbox_exchange_prefix=a%20b",
+            "amqp://u:topsecret@h/?outbox_declare_topology=perhaps",
+            "amqp://u:topsecret@h/?heartbeat=often",
+            "amqp://u:topsecret@h/?auth_mechanism=magic",
+            "amqp://u:topsecret@/",
+            "amqp://u:topsecret%zz@h/",
+            "amqp://u:topsecret@h1,h2/",
             "not a url",
         ] {
             let err = AmqpConfig::from_url(bad).unwrap_err();
@@ -634,6 +630,27 @@ mod tests {
             assert!(err.is_permanent());
             assert!(!err.to_string().contains("topsecret"), "{err}");
         }
+    }
+
+    #[test]
+    fn errors_name_the_parameter_and_list_the_known_ones() {
+        let err = AmqpConfig::from_url("amqp://u:topsecret@h/?queue_type=quorum").unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("amqp: unknown URL parameter \"queue_type\""), "{text}");
+        assert!(text.contains("outbox_queue_type") && text.contains("heartbeat"), "{text}");
+        let err = AmqpConfig::from_url("amqp://u:topsecret@h/?outbox_queue_type=stream").unwrap_err();
+        assert!(err.to_string().contains("outbox_queue_type=\"stream\""), "{err}");
+    }
+
+    #[test]
+    fn percent_encoded_credentials_are_decoded() {
+        let c = AmqpConfig::from_url("amqp://app%40corp:p%40ss%3Aw%25rd@h/v%2Fh").unwrap();
+        let uri = c.amqp_uri();
+        assert_eq!(uri.authority.userinfo.username, "app@corp");
+        assert_eq!(uri.authority.userinfo.password, "p@ss:w%rd");
+        assert_eq!(uri.vhost, "v/h");
+        let shown = format!("{c} {c:?}");
+        assert!(!shown.contains("p%40ss") && !shown.contains("w%25rd") && !shown.contains("p@ss"), "{shown}");
     }
 
     #[test]
@@ -648,7 +665,7 @@ mod tests {
 
     #[test]
     fn names_are_checked_against_amqp_limits() {
-        let c = AmqpConfig::from_url(LOCAL_URL).unwrap().with_routing_key(RoutingKey::EventKey);
+        let c = AmqpConfig::from_url("amqp://guest:guest@127.0.0.1:5672/%2f").unwrap().with_routing_key(RoutingKey::EventKey);
         let d = Destination::new("d".repeat(200)).unwrap();
         let g = ConsumerGroup::new("g".repeat(60)).unwrap();
         assert_eq!(c.queue_name(&d, &g).unwrap_err().kind(), ErrorKind::InvalidInput);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_broker_amqp::{AmqpBroker, AmqpConfig, ENV_URL, LOCAL_URL, QueueType};
+use outbox_broker_amqp::{AmqpBroker, AmqpConfig, QueueType};
 use outbox_core::memory::{MemoryInbox, MemoryOutbox};
 use outbox_core::{
     Backoff, Broker, ConsumerGroup, Delivery, Destination, ErrorKind, Event, EventId, Inbox, MarkOutcome, OutboxStore,
@@ -18,11 +18,11 @@ const WAIT: Duration = Duration::from_secs(10);
 const QUIET: Duration = Duration::from_millis(1500);
 
 fn server() -> bool {
-    outbox_conformance_tests::require_service("RabbitMQ", "rabbitmq", "127.0.0.1:5672")
+    outbox_conformance_tests::require_service("RabbitMQ", "rabbitmq", &outbox_conformance_tests::service_addr(&url()))
 }
 
 fn url() -> String {
-    std::env::var(ENV_URL).unwrap_or_else(|_| LOCAL_URL.to_string())
+    outbox_conformance_tests::amqp_url()
 }
 
 fn unique(tag: &str) -> String {
@@ -384,7 +384,7 @@ async fn unreachable_server_is_a_quick_transient_connection_error() {
 
 #[test]
 fn debug_and_display_hide_the_password() {
-    let config = AmqpConfig::from_url("amqp://outbox:pa%24%24-w0rd@rabbit.internal:5672/%2f?prefetch=4").unwrap();
+    let config = AmqpConfig::from_url("amqp://outbox:pa%24%24-w0rd@rabbit.internal:5672/%2f?outbox_prefetch=4").unwrap();
     let broker = AmqpBroker::new(config.clone());
     for shown in [format!("{config}"), format!("{config:?}"), format!("{broker:?}"), config.redacted_url()] {
         assert!(!shown.contains("w0rd") && !shown.contains("pa%24%24"), "{shown}");

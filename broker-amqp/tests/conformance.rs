@@ -6,17 +6,17 @@
 //! suite's two groups are deleted when the harness is dropped at the end of `main`.
 //!
 //! The server is `OUTBOX_AMQP_URL` (default the local one). The groups' queues are quorum queues
-//! unless that URL names a `queue_type`: RabbitMQ's recommended durable queue type, and the one
+//! unless that URL names an `outbox_queue_type`: RabbitMQ's recommended durable queue type, and the one
 //! that reports a delivery count (`Delivery::attempt`) on top of the `redelivered` flag, so the
 //! redelivery case checks both. The suite runs as fast on them as on classic queues; add
-//! `?queue_type=classic` to the URL to judge those.
+//! `?outbox_queue_type=classic` to the URL to judge those.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use outbox_broker_amqp::{AmqpBroker, AmqpConfig, ENV_URL, LOCAL_URL, QueueType};
+use outbox_broker_amqp::{AmqpBroker, AmqpConfig, QueueType};
 use outbox_conformance_tests::reference::MemoryEffects;
 use outbox_conformance_tests::world::unique_tag;
 use outbox_conformance_tests::{Capabilities, Capability, Fixture, Harness};
@@ -35,10 +35,10 @@ struct AmqpHarness {
 
 impl AmqpHarness {
     fn new() -> Result<Self> {
-        let url = std::env::var(ENV_URL).unwrap_or_else(|_| LOCAL_URL.to_string());
+        let url = outbox_conformance_tests::amqp_url();
         let prefix = format!("outbox-conformance.{}.", unique_tag());
         let mut config = AmqpConfig::from_url(&url)?;
-        let named_type = url::Url::parse(&url).is_ok_and(|u| u.query_pairs().any(|(k, _)| k == "queue_type"));
+        let named_type = url::Url::parse(&url).is_ok_and(|u| u.query_pairs().any(|(k, _)| k == "outbox_queue_type"));
         if !named_type {
             config = config.with_queue_type(QueueType::Quorum);
         }
@@ -127,7 +127,8 @@ impl Harness for AmqpHarness {
 }
 
 fn main() -> std::process::ExitCode {
-    if !outbox_conformance_tests::require_service("RabbitMQ", "rabbitmq", "127.0.0.1:5672") {
+    let addr = outbox_conformance_tests::service_addr(&outbox_conformance_tests::amqp_url());
+    if !outbox_conformance_tests::require_service("RabbitMQ", "rabbitmq", &addr) {
         return std::process::ExitCode::SUCCESS;
     }
     match AmqpHarness::new() {

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
+use outbox_core::config::{ConnectionUrl, REDACTED, UrlSpec, env_var, is_secret_param};
 use outbox_core::{Error, Result};
 
 use crate::BACKEND;
@@ -17,8 +18,11 @@ pub const ENV_URL: &str = "OUTBOX_KAFKA_URL";
 /// Environment variable holding a comma-separated bootstrap list (`host:port,host:port`).
 pub const ENV_BOOTSTRAP: &str = "OUTBOX_KAFKA_BOOTSTRAP";
 
-/// Shown instead of a secret in `Debug` and `Display`.
-const REDACTED: &str = "***";
+/// The URLs [`KafkaConfig::from_url`] accepts.
+const URL_SPEC: UrlSpec = UrlSpec::new(BACKEND, &["kafka", "kafka+ssl"]).multi_host();
+
+/// What else a Kafka URL's query may hold, for the unknown-parameter error.
+const DRIVER_PARAMS: &str = "or a librdkafka property, any name with a dot, such as linger.ms";
 
 /// Connection and behaviour settings of a [`KafkaBroker`](crate::KafkaBroker).
 ///
@@ -30,7 +34,7 @@ const REDACTED: &str = "***";
 /// use outbox_broker_kafka::KafkaConfig;
 ///
 /// let config: KafkaConfig =
-///     "kafka://app:s3cret@k1:9092,k2:9092?partitions=6&linger.ms=5".parse().unwrap();
+///     "kafka://app:s3cret@k1:9092,k2:9092?outbox_partitions=6&linger.ms=5".parse().unwrap();
 /// assert_eq!(config.bootstrap_servers, ["k1:9092", "k2:9092"]);
 /// assert_eq!(config.partitions, 6);
 /// assert_eq!(config.options["linger.ms"], "5");
@@ -77,12 +81,6 @@ const FIXED_OPTIONS: &[&str] = &[
     "bootstrap.servers",
 ];
 
-impl Default for KafkaConfig {
-    fn default() -> Self {
-        Self::new(["127.0.0.1:9092"])
-    }
-}
-
 impl KafkaConfig {
     /// Settings for the given bootstrap servers, everything else at its default.
     pub fn new<S: Into<String>>(bootstrap_servers: impl IntoIterator<Item = S>) -> Self {
@@ -112,42 +110,37 @@ impl KafkaConfig {
     /// The scheme `kafka+ssl` selects TLS (`security.protocol=SSL`, or `SASL_SSL` with
     /// credentials). Credentials set `sasl.username` / `sasl.password` (percent-decoded), with
     /// `sasl.mechanism=PLAIN` and `security.protocol=SASL_PLAINTEXT` unless the query says
-    /// otherwise. Query keys: `partitions`, `replication_factor`, `client_id`,
-    /// `delivery_timeout_ms`, `session_timeout_ms`, `operation_timeout_ms`; any key containing a
-    /// dot is a librdkafka property (e.g. `linger.ms=5`).
+    /// otherwise. Query keys: `outbox_partitions`, `outbox_replication_factor`,
+    /// `outbox_client_id`, `outbox_delivery_timeout_ms`, `outbox_session_timeout_ms`,
+    /// `outbox_operation_timeout_ms`; any key containing a dot is a librdkafka property (e.g.
+    /// `linger.ms=5`).
     ///
     /// # Errors
-    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) for another scheme, no host, a bad
-    /// number, an unknown key, or a property that cannot be overridden.
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) for another scheme, no host, a host
+    /// without a port, a path, a bad number, an unknown key, or a property that cannot be
+    /// overridden. The message shows the URL with the password redacted.
     pub fn from_url(url: &str) -> Result<Self> {
-        let (scheme, rest) = url
-            .split_once("://")
-            .ok_or_else(|| config_error(format!("{:?} is not a kafka:// URL", redact_url(url))))?;
-        let tls = match scheme {
-            "kafka" => false,
-            "kafka+ssl" => true,
-            other => return Err(config_error(format!("unsupported scheme {other:?} (use kafka:// or kafka+ssl://)"))),
-        };
-        let (authority, query) = match rest.split_once('?') {
-            Some((a, q)) => (a, Some(q)),
-            None => (rest, None),
-        };
-        let authority = authority.trim_end_matches('/');
-        if authority.contains('/') {
-            return Err(config_error("a kafka URL has no path".to_string()));
+        let mut url = ConnectionUrl::parse(&URL_SPEC, url)?;
+        if !matches!(url.raw_path(), "" | "/") {
+            return Err(url.error("a kafka URL has no path"));
         }
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-        let mut config = Self::new(parse_hosts(hosts)?);
-        if let Some(userinfo) = userinfo {
-            let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
-            config.options.insert("sasl.username".into(), percent_decode(user)?);
-            config.options.insert("sasl.password".into(), percent_decode(password)?);
+        if url.hosts().is_empty() {
+            return Err(url.error("it names no bootstrap server"));
+        }
+        let mut hosts = Vec::new();
+        for host in url.hosts() {
+            if host.port().is_none_or(|p| p == 0) {
+                return Err(url.error(format!("bootstrap server {host} needs a port (host:port)")));
+            }
+            hosts.push(host.to_string());
+        }
+        let mut config = Self::new(hosts);
+        if let Some(user) = url.user() {
+            config.options.insert("sasl.username".into(), user.to_string());
+            config.options.insert("sasl.password".into(), url.password().unwrap_or_default().to_string());
             config.options.insert("sasl.mechanism".into(), "PLAIN".into());
         }
-        let protocol = match (tls, userinfo.is_some()) {
+        let protocol = match (url.scheme() == "kafka+ssl", url.user().is_some()) {
             (false, false) => None,
             (false, true) => Some("SASL_PLAINTEXT"),
             (true, false) => Some("SSL"),
@@ -156,26 +149,53 @@ impl KafkaConfig {
         if let Some(protocol) = protocol {
             config.options.insert("security.protocol".into(), protocol.into());
         }
-        for (key, value) in url::form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
-            config.apply_query(&key, &value)?;
+        if let Some(partitions) = url.outbox_number("outbox_partitions")? {
+            config.partitions = partitions;
+        }
+        if let Some(factor) = url.outbox_number("outbox_replication_factor")? {
+            config.replication_factor = factor;
+        }
+        if let Some(client_id) = url.outbox_str("outbox_client_id") {
+            config.client_id = client_id;
+        }
+        if let Some(timeout) = url.outbox_duration_ms("outbox_delivery_timeout_ms")? {
+            config.delivery_timeout = timeout;
+        }
+        if let Some(timeout) = url.outbox_duration_ms("outbox_session_timeout_ms")? {
+            config.session_timeout = timeout;
+        }
+        if let Some(timeout) = url.outbox_duration_ms("outbox_operation_timeout_ms")? {
+            config.operation_timeout = timeout;
+        }
+        url.finish()?;
+        for (key, value) in url.params() {
+            if !key.contains('.') {
+                return Err(url.unknown_param_error(key, DRIVER_PARAMS));
+            }
+            config.options.insert(key.clone(), value.clone());
         }
         config.validate()?;
         Ok(config)
     }
 
     /// Settings from the environment: [`ENV_URL`] (`OUTBOX_KAFKA_URL`) if set, else
-    /// [`ENV_BOOTSTRAP`] (`OUTBOX_KAFKA_BOOTSTRAP`); `Ok(None)` when neither is set.
+    /// [`ENV_BOOTSTRAP`] (`OUTBOX_KAFKA_BOOTSTRAP`). There is no default server.
     ///
     /// # Errors
-    /// As for [`from_url`](Self::from_url) and [`from_bootstrap`](Self::from_bootstrap).
-    pub fn from_env() -> Result<Option<Self>> {
-        if let Some(url) = env_var(ENV_URL)? {
-            return Self::from_url(&url).map(Some);
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when neither variable is set (or
+    /// both are blank), when one is not valid Unicode, and as for [`from_url`](Self::from_url)
+    /// and [`from_bootstrap`](Self::from_bootstrap).
+    pub fn from_env() -> Result<Self> {
+        if let Some(url) = env_var(ENV_URL, BACKEND)? {
+            return Self::from_url(&url);
         }
-        if let Some(list) = env_var(ENV_BOOTSTRAP)? {
-            return Self::from_bootstrap(&list).map(Some);
+        if let Some(list) = env_var(ENV_BOOTSTRAP, BACKEND)? {
+            return Self::from_bootstrap(&list);
         }
-        Ok(None)
+        Err(config_error(format!(
+            "neither {ENV_URL} nor {ENV_BOOTSTRAP} is set: {ENV_URL} must hold the kafka connection URL \
+             (kafka://host:port,...), or {ENV_BOOTSTRAP} a host:port list (there is no default server)"
+        )))
     }
 
     /// Set the client id.
@@ -262,36 +282,6 @@ impl KafkaConfig {
         Ok(())
     }
 
-    fn apply_query(&mut self, key: &str, value: &str) -> Result<()> {
-        let millis = |value: &str| -> Result<Duration> {
-            value
-                .parse::<u64>()
-                .map(Duration::from_millis)
-                .map_err(|_| config_error(format!("{key} must be a number of milliseconds, not {value:?}")))
-        };
-        let count = |value: &str| -> Result<i32> {
-            value.parse::<i32>().map_err(|_| config_error(format!("{key} must be a whole number, not {value:?}")))
-        };
-        match key {
-            "partitions" => self.partitions = count(value)?,
-            "replication_factor" => self.replication_factor = count(value)?,
-            "client_id" => self.client_id = value.to_string(),
-            "delivery_timeout_ms" => self.delivery_timeout = millis(value)?,
-            "session_timeout_ms" => self.session_timeout = millis(value)?,
-            "operation_timeout_ms" => self.operation_timeout = millis(value)?,
-            k if k.contains('.') => {
-                self.options.insert(k.to_string(), value.to_string());
-            }
-            other => {
-                return Err(config_error(format!(
-                    "unknown setting {other:?} (partitions, replication_factor, client_id, delivery_timeout_ms, \
-                     session_timeout_ms, operation_timeout_ms, or a librdkafka property such as linger.ms)"
-                )));
-            }
-        }
-        Ok(())
-    }
-
     /// A librdkafka configuration: bootstrap and client id, then the adapter's `defaults` for
     /// this kind of client, then the user's options, then the `fixed` properties the guarantees
     /// depend on.
@@ -336,10 +326,10 @@ fn millis(d: Duration) -> u128 {
     d.as_millis().max(1)
 }
 
-/// Whether the value of a librdkafka property must not be shown.
+/// Whether the value of a librdkafka property must not be shown: every `sasl.*` property
+/// besides the names that mark a secret on any backend.
 pub(crate) fn is_secret(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
-    ["password", "secret", "sasl", "token", "ssl.key", "credential"].iter().any(|s| key.contains(s))
+    is_secret_param(key) || key.to_ascii_lowercase().contains("sasl")
 }
 
 fn redacted_options(options: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
@@ -367,12 +357,12 @@ impl fmt::Display for KafkaConfig {
         write!(f, "kafka://{}", self.bootstrap_servers.join(","))?;
         let mut query = url::form_urlencoded::Serializer::new(String::new());
         query
-            .append_pair("client_id", &self.client_id)
-            .append_pair("partitions", &self.partitions.to_string())
-            .append_pair("replication_factor", &self.replication_factor.to_string())
-            .append_pair("delivery_timeout_ms", &self.delivery_timeout.as_millis().to_string())
-            .append_pair("session_timeout_ms", &self.session_timeout.as_millis().to_string())
-            .append_pair("operation_timeout_ms", &self.operation_timeout.as_millis().to_string());
+            .append_pair("outbox_client_id", &self.client_id)
+            .append_pair("outbox_partitions", &self.partitions.to_string())
+            .append_pair("outbox_replication_factor", &self.replication_factor.to_string())
+            .append_pair("outbox_delivery_timeout_ms", &self.delivery_timeout.as_millis().to_string())
+            .append_pair("outbox_session_timeout_ms", &self.session_timeout.as_millis().to_string())
+            .append_pair("outbox_operation_timeout_ms", &self.operation_timeout.as_millis().to_string());
         for (k, v) in redacted_options(&self.options) {
             query.append_pair(k, v);
         }
@@ -391,15 +381,6 @@ fn config_error(message: String) -> Error {
     Error::config(BACKEND, message)
 }
 
-fn env_var(name: &str) -> Result<Option<String>> {
-    match std::env::var(name) {
-        Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => Ok(Some(v.trim().to_string())),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => Err(config_error(format!("{name} is not valid UTF-8"))),
-    }
-}
-
 fn parse_hosts(list: &str) -> Result<Vec<String>> {
     let hosts: Vec<String> = list.split(',').map(str::trim).filter(|h| !h.is_empty()).map(String::from).collect();
     if hosts.is_empty() {
@@ -414,39 +395,6 @@ fn parse_hosts(list: &str) -> Result<Vec<String>> {
     Ok(hosts)
 }
 
-fn percent_decode(s: &str) -> Result<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s.get(i + 1..i + 3).and_then(|h| u8::from_str_radix(h, 16).ok());
-            let Some(b) = hex else {
-                return Err(config_error("bad percent-encoding in the URL's credentials".to_string()));
-            };
-            out.push(b);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| config_error("the URL's credentials are not UTF-8".to_string()))
-}
-
-/// A URL with its password replaced, for error messages about the URL itself.
-fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let userinfo = &url[s + 3..at];
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            format!("{}{user}:{REDACTED}{}", &url[..s + 3], &url[at..])
-        }
-        (None, Some(_)) => REDACTED.to_string(),
-        _ => url.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -455,8 +403,9 @@ mod tests {
     #[test]
     fn parses_url_with_hosts_query_and_credentials() {
         let c = KafkaConfig::from_url(
-            "kafka://me:p%40ss@a:9092,b:9093/?partitions=3&replication_factor=2&client_id=relay-1\
-             &delivery_timeout_ms=1500&session_timeout_ms=6000&operation_timeout_ms=700&linger.ms=5",
+            "kafka://me:p%40ss@a:9092,b:9093/?outbox_partitions=3&outbox_replication_factor=2\
+             &outbox_client_id=relay-1&outbox_delivery_timeout_ms=1500&outbox_session_timeout_ms=6000\
+             &outbox_operation_timeout_ms=700&linger.ms=5&sasl.mechanism=SCRAM-SHA-256",
         )
         .unwrap();
         assert_eq!(c.bootstrap_servers, ["a:9092", "b:9093"]);
@@ -469,12 +418,26 @@ mod tests {
         assert_eq!(c.options["sasl.username"], "me");
         assert_eq!(c.options["sasl.password"], "p@ss");
         assert_eq!(c.options["security.protocol"], "SASL_PLAINTEXT");
+        // The query overrides what the credentials imply.
+        assert_eq!(c.options["sasl.mechanism"], "SCRAM-SHA-256");
+    }
+
+    #[test]
+    fn percent_decoded_credentials_and_ipv6_hosts() {
+        let c = KafkaConfig::from_url("kafka+ssl://app%40corp:p%40ss%3Aw%25rd@[::1]:9093,k2:9094").unwrap();
+        assert_eq!(c.bootstrap_servers, ["[::1]:9093", "k2:9094"]);
+        assert_eq!(c.options["sasl.username"], "app@corp");
+        assert_eq!(c.options["sasl.password"], "p@ss:w%rd");
+        assert_eq!(c.options["security.protocol"], "SASL_SSL");
+        for shown in [format!("{c:?}"), c.to_string()] {
+            assert!(!shown.contains("p@ss") && !shown.contains("p%40ss") && !shown.contains("w%rd"), "{shown}");
+        }
     }
 
     #[test]
     fn defaults() {
         let c = KafkaConfig::from_url("kafka://127.0.0.1:9092").unwrap();
-        assert_eq!(c, KafkaConfig::default());
+        assert_eq!(c, KafkaConfig::new(["127.0.0.1:9092"]));
         assert_eq!(c.partitions, 1);
         assert_eq!(c.replication_factor, 1);
         assert!(c.options.is_empty());
@@ -489,17 +452,28 @@ mod tests {
             "kafka://",
             "kafka://h",
             "kafka://h:1/path",
-            "kafka://h:1?partitions=0",
-            "kafka://h:1?partitions=x",
+            "kafka://h:0",
+            "kafka://h:1,,g:2",
+            "kafka://h:1?outbox_partitions=0",
+            "kafka://h:1?outbox_partitions=x",
+            "kafka://h:1?outbox_partitions=2147483648",
             "kafka://h:1?nope=1",
+            "kafka://h:1?partitions=3",
+            "kafka://h:1?outbox_partitons=3",
             "kafka://h:1?enable.idempotence=false",
             "kafka://h:1?enable.auto.commit=true",
-            "kafka://h:1?delivery_timeout_ms=0",
+            "kafka://h:1?outbox_delivery_timeout_ms=0",
+            "kafka://u:p%zz@h:1",
         ] {
             let e = KafkaConfig::from_url(bad).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Config, "{bad}: {e}");
             assert!(e.is_permanent());
         }
+        let e = KafkaConfig::from_url("kafka://u:hunter2@h:1?partitions=3").unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("\"partitions\"") && text.contains("outbox_partitions"), "{text}");
+        assert!(text.contains("librdkafka property"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
     }
 
     #[test]
@@ -523,8 +497,12 @@ mod tests {
             assert!(shown.contains("linger.ms"), "{shown}");
             assert!(shown.contains("***"), "{shown}");
         }
-        let e = KafkaConfig::from_url("ftp://user:hunter2@h:1").unwrap_err();
-        assert!(!e.to_string().contains("hunter2"));
+        for bad in ["ftp://user:hunter2@h:1", "kafka://user:hunter2@h", "user:hunter2@h:1", "kafka://user:hunter2@h:1/x"] {
+            let e = KafkaConfig::from_url(bad).unwrap_err();
+            assert!(!format!("{e} {e:?}").contains("hunter2"), "{e}");
+        }
+        let e = KafkaConfig::from_url("kafka://h:1?sasl.password=hunter2&enable.idempotence=false").unwrap_err();
+        assert!(!format!("{e} {e:?}").contains("hunter2"), "{e}");
     }
 
     #[test]

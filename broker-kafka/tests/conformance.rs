@@ -22,7 +22,7 @@ use rdkafka::admin::{AdminClient, AdminOptions};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
 
-const SERVICE: (&str, &str, &str) = ("Kafka-protocol broker (tansu)", "kafka", "127.0.0.1:9092");
+const SERVICE: (&str, &str) = ("Kafka-protocol broker (tansu)", "kafka");
 
 /// How long `next` waits before deciding nothing is coming. A redelivery after a dropped
 /// subscription is a fresh member joining the group, being assigned the partition, fetching the
@@ -79,8 +79,7 @@ struct KafkaHarness {
 
 impl KafkaHarness {
     fn new() -> Result<Self> {
-        let config = KafkaConfig::from_env()?
-            .unwrap_or_default()
+        let config = KafkaConfig::from_url(&outbox_conformance_tests::kafka_url())?
             .with_client_id(format!("outbox-conformance-{}", std::process::id()))
             .with_delivery_timeout(Duration::from_secs(10))
             .with_session_timeout(Duration::from_secs(6))
@@ -203,7 +202,11 @@ impl Harness for KafkaHarness {
 }
 
 fn main() -> std::process::ExitCode {
-    if !outbox_conformance_tests::require_service(SERVICE.0, SERVICE.1, SERVICE.2) {
+    if !outbox_conformance_tests::require_service(
+        SERVICE.0,
+        SERVICE.1,
+        &outbox_conformance_tests::service_addr(&outbox_conformance_tests::kafka_url()),
+    ) {
         return std::process::ExitCode::SUCCESS;
     }
     match KafkaHarness::new() {

@@ -11,12 +11,16 @@ use outbox_core::memory::MemoryInbox;
 use outbox_core::{Broker, ConsumerGroup, Delivery, Destination, ErrorKind, Event, EventId, Inbox, MarkOutcome, Retry};
 use outbox_core::{Subscription, SystemClock};
 
-const SERVICE: (&str, &str, &str) = ("Kafka-protocol broker (tansu)", "kafka", "127.0.0.1:9092");
+const SERVICE: (&str, &str) = ("Kafka-protocol broker (tansu)", "kafka");
 /// Upper bound for anything the broker should do "soon" (group joins, rebalances).
 const PATIENCE: Duration = Duration::from_secs(60);
 
 fn broker_up() -> bool {
-    outbox_conformance_tests::require_service(SERVICE.0, SERVICE.1, SERVICE.2)
+    outbox_conformance_tests::require_service(
+        SERVICE.0,
+        SERVICE.1,
+        &outbox_conformance_tests::service_addr(&outbox_conformance_tests::kafka_url()),
+    )
 }
 
 fn unique(prefix: &str) -> String {
@@ -26,9 +30,8 @@ fn unique(prefix: &str) -> String {
 }
 
 fn config() -> KafkaConfig {
-    KafkaConfig::from_env()
-        .expect("OUTBOX_KAFKA_URL / OUTBOX_KAFKA_BOOTSTRAP")
-        .unwrap_or_default()
+    KafkaConfig::from_url(&outbox_conformance_tests::kafka_url())
+        .expect("OUTBOX_KAFKA_URL")
         .with_client_id(unique("outbox-test"))
         .with_delivery_timeout(Duration::from_secs(15))
         .with_session_timeout(Duration::from_secs(6))

@@ -93,17 +93,17 @@ async fn adapter(config: RedisConfig, dest: &Destination) -> outbox_core::Result
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let config = match RedisConfig::from_env() {
+    let url = outbox_conformance_tests::redis_url();
+    let config = match RedisConfig::from_url(&url) {
         Ok(c) => c,
         Err(e) => return eprintln!("bench not run: {e}"),
     };
     let prefix = format!("outbox-bench:{}:", std::process::id());
-    let url = std::env::var("OUTBOX_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     println!(
         "outbox-broker-redis bench: {N} messages of {PAYLOAD} bytes, sequential publish, then consume + ack one at a time; server {}",
         config.redacted_url()
     );
-    let base = match baseline(&url, &format!("{prefix}baseline")).await {
+    let base = match baseline(&config.url, &format!("{prefix}baseline")).await {
         Ok(b) => b,
         Err(e) => {
             return eprintln!("bench not run: Redis unreachable ({e}); start it with `scripts/services ensure redis`");

@@ -7,6 +7,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use outbox_core::config::{ConnectionUrl, UrlSpec, env_url, redact};
 use outbox_core::event::DEFAULT_MAX_PAYLOAD;
 use outbox_core::{Error, Result};
 
@@ -14,8 +15,6 @@ use crate::BACKEND;
 
 /// Environment variable [`RedisConfig::from_env`] reads the URL from.
 pub const ENV_URL: &str = "OUTBOX_REDIS_URL";
-/// URL used when [`ENV_URL`] is not set.
-pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 /// Default stream key prefix: the stream of destination `orders` is `outbox:orders`.
 pub const DEFAULT_PREFIX: &str = "outbox:";
 /// Default time an entry must stay unacknowledged before another consumer may reclaim it.
@@ -27,14 +26,35 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default time to wait for a reply (a blocking read waits its block time on top of it).
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The URLs [`RedisConfig::from_url`] accepts.
+const URL_SPEC: UrlSpec = UrlSpec::new(BACKEND, &["redis", "rediss"]);
+
 /// Settings of a [`RedisBroker`](crate::RedisBroker).
 ///
 /// Build it with [`from_url`](Self::from_url) or [`from_env`](Self::from_env), then adjust the
-/// public fields or use the `with_*` methods. `Debug` and `Display` never show the password.
+/// public fields or use the `with_*` methods. The URL may carry every setting as an `outbox_*`
+/// parameter:
+///
+/// | parameter | field |
+/// |---|---|
+/// | `outbox_prefix` | [`prefix`](Self::prefix) |
+/// | `outbox_consumer_name` | [`consumer_name`](Self::consumer_name) |
+/// | `outbox_claim_idle_ms` | [`claim_idle`](Self::claim_idle) |
+/// | `outbox_block_ms` | [`block`](Self::block) |
+/// | `outbox_read_count` | [`read_count`](Self::read_count) |
+/// | `outbox_max_len` | [`max_len`](Self::max_len) |
+/// | `outbox_dedupe_window_ms` | [`dedupe_window`](Self::dedupe_window) |
+/// | `outbox_max_payload` | [`max_payload`](Self::max_payload) |
+/// | `outbox_connect_timeout_ms` | [`connect_timeout`](Self::connect_timeout) |
+/// | `outbox_response_timeout_ms` | [`response_timeout`](Self::response_timeout) |
+///
+/// An unknown `outbox_*` parameter is an error; the other parameters are the redis crate's.
+/// `Debug` and `Display` never show the password.
 #[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisConfig {
-    /// `redis://[user][:password@]host[:port][/db]` or `rediss://…` (TLS).
+    /// The driver URL, `redis://[user][:password@]host[:port][/db]` or `rediss://…` (TLS),
+    /// without `outbox_*` parameters.
     pub url: String,
     /// Prepended to the destination name to form the stream key (default [`DEFAULT_PREFIX`]).
     pub prefix: String,
@@ -66,42 +86,44 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
-    /// Settings for `url` with every other field at its default.
+    /// Settings for `url`: the `outbox_*` parameters it carries, every other field at its
+    /// default.
     ///
     /// # Errors
     /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when the URL does not parse, its
-    /// scheme is not `redis` or `rediss`, or it has no host. The message never contains the
-    /// password.
+    /// scheme is not `redis` or `rediss`, it has no host, the redis crate rejects it, or an
+    /// `outbox_*` parameter is unknown or invalid. The message never contains the password.
     pub fn from_url(url: &str) -> Result<Self> {
-        validate_url(url)?;
-        Ok(Self {
-            url: url.to_string(),
-            prefix: DEFAULT_PREFIX.to_string(),
-            consumer_name: default_consumer_name(),
-            claim_idle: DEFAULT_CLAIM_IDLE,
-            block: DEFAULT_BLOCK,
-            read_count: 1,
-            max_len: None,
-            dedupe_window: None,
-            max_payload: DEFAULT_MAX_PAYLOAD,
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
-        })
+        let mut url = ConnectionUrl::parse(&URL_SPEC, url)?;
+        url.require_host()?;
+        let config = Self {
+            url: url.driver_url(),
+            prefix: url.outbox_str("outbox_prefix").unwrap_or_else(|| DEFAULT_PREFIX.to_string()),
+            consumer_name: url.outbox_str("outbox_consumer_name").unwrap_or_else(default_consumer_name),
+            claim_idle: url.outbox_duration_ms("outbox_claim_idle_ms")?.unwrap_or(DEFAULT_CLAIM_IDLE),
+            block: url.outbox_duration_ms("outbox_block_ms")?.unwrap_or(DEFAULT_BLOCK),
+            read_count: url.outbox_usize("outbox_read_count")?.unwrap_or(1),
+            max_len: url.outbox_u64("outbox_max_len")?,
+            dedupe_window: url.outbox_duration_ms("outbox_dedupe_window_ms")?,
+            max_payload: url.outbox_usize("outbox_max_payload")?.unwrap_or(DEFAULT_MAX_PAYLOAD),
+            connect_timeout: url.outbox_duration_ms("outbox_connect_timeout_ms")?.unwrap_or(DEFAULT_CONNECT_TIMEOUT),
+            response_timeout: url
+                .outbox_duration_ms("outbox_response_timeout_ms")?
+                .unwrap_or(DEFAULT_RESPONSE_TIMEOUT),
+        };
+        url.finish()?;
+        config.validate()?;
+        Ok(config)
     }
 
-    /// Settings from the URL in the environment variable [`ENV_URL`] (`OUTBOX_REDIS_URL`), or
-    /// [`DEFAULT_URL`] when it is unset.
+    /// Settings from the URL in the environment variable [`ENV_URL`] (`OUTBOX_REDIS_URL`).
+    /// There is no default server.
     ///
     /// # Errors
-    /// As for [`from_url`](Self::from_url); also when the variable is not valid Unicode.
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when the variable is unset, blank
+    /// or not valid Unicode, or as for [`from_url`](Self::from_url).
     pub fn from_env() -> Result<Self> {
-        match std::env::var(ENV_URL) {
-            Ok(url) => Self::from_url(&url),
-            Err(std::env::VarError::NotPresent) => Self::from_url(DEFAULT_URL),
-            Err(std::env::VarError::NotUnicode(_)) => {
-                Err(Error::config(BACKEND, format!("{ENV_URL} is not valid Unicode")))
-            }
-        }
+        Self::from_url(&env_url(ENV_URL, BACKEND)?)
     }
 
     /// Set the stream key prefix.
@@ -170,7 +192,7 @@ impl RedisConfig {
 
     /// The URL with its password replaced by `***`.
     pub fn redacted_url(&self) -> String {
-        redact_url(&self.url)
+        redact(&self.url)
     }
 
     /// Check every field; [`RedisBroker::connect`](crate::RedisBroker::connect) calls it.
@@ -209,26 +231,6 @@ impl RedisConfig {
     }
 }
 
-impl Default for RedisConfig {
-    /// [`DEFAULT_URL`] with default settings.
-    fn default() -> Self {
-        // DEFAULT_URL is a valid constant; fall back to building the struct by hand anyway.
-        Self::from_url(DEFAULT_URL).unwrap_or_else(|_| Self {
-            url: DEFAULT_URL.to_string(),
-            prefix: DEFAULT_PREFIX.to_string(),
-            consumer_name: default_consumer_name(),
-            claim_idle: DEFAULT_CLAIM_IDLE,
-            block: DEFAULT_BLOCK,
-            read_count: 1,
-            max_len: None,
-            dedupe_window: None,
-            max_payload: DEFAULT_MAX_PAYLOAD,
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
-        })
-    }
-}
-
 impl fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisConfig")
@@ -253,41 +255,18 @@ impl fmt::Display for RedisConfig {
     }
 }
 
+/// Check a driver URL (the [`url`](RedisConfig::url) field may have been set by hand).
 fn validate_url(raw: &str) -> Result<()> {
-    let parsed = url::Url::parse(raw)
-        .map_err(|e| Error::config(BACKEND, format!("invalid Redis URL {}: {e}", redact_url(raw))))?;
-    match parsed.scheme() {
-        "redis" | "rediss" => {}
-        other => {
-            return Err(Error::config(
-                BACKEND,
-                format!("Redis URL {} has scheme {other:?}; expected redis:// or rediss://", redact_url(raw)),
-            ));
-        }
-    }
-    if parsed.host_str().is_none_or(str::is_empty) {
-        return Err(Error::config(BACKEND, format!("Redis URL {} has no host", redact_url(raw))));
+    let url = ConnectionUrl::parse(&URL_SPEC, raw)?;
+    url.require_host()?;
+    if let Some((name, _)) = url.outbox_params().first() {
+        return Err(url.error(format!(
+            "the url field is the driver's URL and cannot carry {name}; parse the URL with RedisConfig::from_url"
+        )));
     }
     // The redis crate has its own rules (db number, protocol query); ask it too.
-    redis::Client::open(raw).map_err(|e| {
-        Error::config(BACKEND, format!("Redis URL {} is not accepted: {}", redact_url(raw), e.category()))
-    })?;
+    redis::Client::open(raw).map_err(|e| url.error(format!("the redis client does not accept it ({})", e.category())))?;
     Ok(())
-}
-
-/// Replace the password of a URL by `***`; an unparseable URL is hidden entirely, since we cannot
-/// tell where its password is.
-pub(crate) fn redact_url(raw: &str) -> String {
-    match url::Url::parse(raw) {
-        Ok(mut u) => {
-            if u.password().is_some() {
-                // Only fails for URLs that cannot have a password, which this one has.
-                let _ = u.set_password(Some("***"));
-            }
-            u.to_string()
-        }
-        Err(_) => "<unparseable URL>".to_string(),
-    }
 }
 
 /// `<hostname>-<pid>`, restricted to `[A-Za-z0-9._-]`.
@@ -329,8 +308,57 @@ mod tests {
     }
 
     #[test]
+    fn outbox_parameters_set_the_fields_and_stay_out_of_the_driver_url() {
+        let c = RedisConfig::from_url(
+            "redis://alice:p%40ss@h:6380/2?outbox_prefix=app:&outbox_consumer_name=relay-1&outbox_claim_idle_ms=1500\
+             &outbox_block_ms=200&outbox_read_count=8&outbox_max_len=1000&outbox_dedupe_window_ms=60000\
+             &outbox_max_payload=512&outbox_connect_timeout_ms=700&outbox_response_timeout_ms=900&protocol=resp3",
+        )
+        .unwrap();
+        assert_eq!(c.url, "redis://alice:p%40ss@h:6380/2?protocol=resp3");
+        assert_eq!((c.prefix.as_str(), c.consumer_name.as_str()), ("app:", "relay-1"));
+        assert_eq!((c.claim_idle, c.block), (Duration::from_millis(1500), Duration::from_millis(200)));
+        assert_eq!((c.read_count, c.max_len, c.max_payload), (8, Some(1000), 512));
+        assert_eq!(c.dedupe_window, Some(Duration::from_secs(60)));
+        assert_eq!((c.connect_timeout, c.response_timeout), (Duration::from_millis(700), Duration::from_millis(900)));
+        c.validate().unwrap();
+        let shown = format!("{c} {c:?}");
+        assert!(!shown.contains("p%40ss") && !shown.contains("p@ss"), "{shown}");
+    }
+
+    #[test]
+    fn unknown_or_invalid_outbox_parameters_are_errors() {
+        for (url, needle) in [
+            ("redis://:hunter2@h?outbox_prefx=a", "outbox_prefix"),
+            ("redis://:hunter2@h?outbox_read_count=0", "read_count"),
+            ("redis://:hunter2@h?outbox_read_count=x", "outbox_read_count=\"x\""),
+            ("redis://:hunter2@h?outbox_max_len=0", "max_len"),
+            ("redis://:hunter2@h?outbox_claim_idle_ms=1s", "outbox_claim_idle_ms=\"1s\""),
+        ] {
+            let err = RedisConfig::from_url(url).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{url}");
+            let text = format!("{err} {err:?}");
+            assert!(text.contains(needle), "{text}");
+            assert!(!text.contains("hunter2"), "{text}");
+        }
+        // The url field is the driver's: outbox parameters set by hand there are refused.
+        let mut c = RedisConfig::from_url("redis://:hunter2@h").unwrap();
+        c.url = "redis://:hunter2@h?outbox_prefix=x".into();
+        let err = c.validate().unwrap_err();
+        assert!(err.to_string().contains("outbox_prefix") && !err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
     fn rejects_bad_urls_without_leaking_the_password() {
-        for url in ["http://u:hunter2@host/", "not a url", "redis://u:hunter2@host/notadb", "unix:///tmp/sock"] {
+        for url in [
+            "http://u:hunter2@host/",
+            "not a url",
+            "redis://u:hunter2@host/notadb",
+            "unix:///tmp/sock",
+            "redis://u:hunter2@",
+            "redis://u:hunter2%@host",
+            "redis://u:hunter2@h1,h2",
+        ] {
             let err = RedisConfig::from_url(url).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Config, "{url}");
             assert!(!err.to_string().contains("hunter2"), "{err}");
@@ -357,7 +385,7 @@ mod tests {
 
     #[test]
     fn unsafe_or_meaningless_settings_are_config_errors() {
-        let base = RedisConfig::from_url(DEFAULT_URL).unwrap();
+        let base = RedisConfig::from_url("redis://127.0.0.1:6379").unwrap();
         let cases = [
             base.clone().with_max_len(0),
             base.clone().with_read_count(0),

@@ -9,8 +9,8 @@ mod subscription;
 
 pub use broker::RedisBroker;
 pub use config::{
-    DEFAULT_BLOCK, DEFAULT_CLAIM_IDLE, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, DEFAULT_URL,
-    ENV_URL, RedisConfig,
+    DEFAULT_BLOCK, DEFAULT_CLAIM_IDLE, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, ENV_URL,
+    RedisConfig,
 };
 pub use subscription::RedisSubscription;
 

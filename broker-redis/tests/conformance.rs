@@ -38,7 +38,7 @@ struct RedisHarness {
 
 impl RedisHarness {
     fn new(prefix: &str) -> Self {
-        let config = RedisConfig::from_env()
+        let config = RedisConfig::from_url(&outbox_conformance_tests::redis_url())
             .unwrap_or_else(|e| panic!("OUTBOX_REDIS_URL: {e}"))
             .with_prefix(prefix)
             .with_claim_idle(CLAIM_IDLE);
@@ -123,7 +123,8 @@ impl Drop for Cleanup {
 }
 
 fn main() -> std::process::ExitCode {
-    if !outbox_conformance_tests::require_service("Redis", "redis", "127.0.0.1:6379") {
+    let addr = outbox_conformance_tests::service_addr(&outbox_conformance_tests::redis_url());
+    if !outbox_conformance_tests::require_service("Redis", "redis", &addr) {
         return std::process::ExitCode::SUCCESS;
     }
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());

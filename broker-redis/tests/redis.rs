@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use outbox_broker_redis::{RedisBroker, RedisConfig};
+use outbox_conformance_tests::redis_url;
 use outbox_core::memory::MemoryInbox;
 use outbox_core::{
     Broker, ConsumerGroup, Delivery, Destination, ErrorKind, Event, EventId, Inbox, MarkOutcome, Subscription,
@@ -14,7 +15,7 @@ use tokio::time::Instant;
 const CLAIM_IDLE: Duration = Duration::from_millis(200);
 
 fn service_up() -> bool {
-    outbox_conformance_tests::require_service("Redis", "redis", "127.0.0.1:6379")
+    outbox_conformance_tests::require_service("Redis", "redis", &outbox_conformance_tests::service_addr(&redis_url()))
 }
 
 fn unique() -> String {
@@ -24,7 +25,7 @@ fn unique() -> String {
 }
 
 fn base_config() -> RedisConfig {
-    RedisConfig::from_env().expect("OUTBOX_REDIS_URL")
+    RedisConfig::from_url(&redis_url()).expect("OUTBOX_REDIS_URL")
 }
 
 /// Deletes every key under the test's prefix when dropped (also when the test panics).

@@ -6,14 +6,18 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_consumer_inbox::{EffectKind, Handled};
+use async_trait::async_trait;
+use outbox_consumer_inbox::{ConsumerConfig, EffectKind, Handled};
 use outbox_core::store::all_rows;
-use outbox_core::{Completion, Destination, ErrorKind, Event, EventId, Inbox, ManualClock, Outcome, RowStatus};
+use outbox_core::{
+    Acknowledge, Completion, DeadLetter, DeadLetterReason, Delivery, Destination, ErrorKind, Event, EventId,
+    InboxAdmin, ManualClock, Outcome, RowStatus,
+};
 
 use crate::harness::{Capability, Harness};
 use crate::invariants::{Violation, judge};
 use crate::script::{Action, parse_path};
-use crate::world::{CONSUMER, DurableState, LEASE, World, suite_consumer, suite_group};
+use crate::world::{CONSUMER, DurableState, LEASE, World, suite_consumer, suite_consumer_with, suite_group};
 
 /// What a case checks after the full drain, beyond the generic invariants.
 #[derive(Debug, Clone)]
@@ -194,6 +198,14 @@ pub fn all_cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "f10_conflict_dead_letter_keeps_the_event",
+            class: "F10",
+            property: "the conflict's dead letter keeps destination, key, headers (binary values) and payload \
+                       byte-for-byte",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "f11_a7_b7_a7_c0",
             class: "F11",
             property: "deliver a:7, b:7, a:7, c:0: balance 14, three markers",
@@ -300,6 +312,14 @@ pub fn all_cases() -> Vec<Case> {
             name: "store_stats",
             class: "OutboxStore::stats",
             property: "counts by status and the age of the oldest pending row",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "inbox_remove_dead_letters_only_given_ids_and_resets_failures",
+            class: "InboxAdmin::remove_dead_letters",
+            property: "removes exactly the given ids of the given consumer; a later failure of the event counts \
+                       from 1 again",
             needs: &[],
             body: Function,
         },
@@ -464,6 +484,8 @@ pub async fn run_case<H: Harness>(harness: &H, case: &Case) -> outbox_core::Resu
         }
         Body::Function => match case.name {
             "f5_concurrent_duplicates" => f5_concurrent_duplicates(harness).await,
+            "f10_conflict_dead_letter_keeps_the_event" => f10_conflict_dead_letter_keeps_the_event(harness).await,
+            "inbox_remove_dead_letters_only_given_ids_and_resets_failures" => inbox_remove_dead_letters(harness).await,
             "broker_roundtrip_bytes" => broker_roundtrip_bytes(harness).await,
             "broker_unacked_redelivered_after_consumer_goes_away" => broker_unacked_redelivered(harness, false).await,
             "broker_redelivery_is_flagged" => broker_unacked_redelivered(harness, true).await,
@@ -557,6 +579,165 @@ async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<Case
     let markers = fx.inbox.markers(CONSUMER).await?.len();
     ensure!(CASE, markers == ROUNDS, "{markers} markers, expected {ROUNDS}");
     Ok(CaseResult::Passed(format!("{ROUNDS} rounds of two concurrent copies: one effect each")))
+}
+
+async fn f10_conflict_dead_letter_keeps_the_event<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "f10_conflict_dead_letter_keeps_the_event";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let tag = crate::world::unique_tag();
+    // Same id, key and headers; only the payload differs (with NUL and non-UTF-8 bytes).
+    let first = Event::new(EventId::new(format!("{CASE}.{tag}"))?, fx.destination.clone(), CREDIT)
+        .with_key("acct-1 ünïcode/with:separators")
+        .with_header("bin", vec![0u8, 1, 2, 255, 0])
+        .with_header("empty", Vec::new())
+        .with_header("utf8", "héllo".as_bytes().to_vec());
+    let conflicting =
+        Event { payload: [&b"credit:acct-1:9"[..], &[0, 0xff, 0xc3, 0x28, b'\n', 0]].concat(), ..first.clone() };
+    let consumer = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let mut handled = Vec::new();
+    for e in [&first, &conflicting] {
+        fx.broker.publish(e).await?;
+        let Some(d) = receive_within(sub.as_mut(), wait).await? else {
+            return Ok(CaseResult::fail(CASE, "", format!("{} was not delivered", e.id)));
+        };
+        ensure!(CASE, d.event == *e, "the broker changed the event (see broker_roundtrip_bytes): {:?}", d.event);
+        handled.push(consumer.process(d).await?);
+    }
+    drop(sub);
+    ensure!(
+        CASE,
+        handled == [Handled::Applied, Handled::Conflict],
+        "handled {handled:?}, expected Applied then Conflict"
+    );
+    let dead: Vec<DeadLetter> =
+        fx.inbox.dead_letters(CONSUMER).await?.into_iter().filter(|d| d.event.id == first.id).collect();
+    ensure!(CASE, dead.len() == 1, "{} dead letters for {}, expected 1: {dead:?}", dead.len(), first.id);
+    let d = &dead[0];
+    ensure!(CASE, d.reason == DeadLetterReason::Conflict, "reason {:?}", d.reason);
+    ensure!(CASE, d.consumer == CONSUMER, "consumer {:?}", d.consumer);
+    let (got, want) = (&d.event, &conflicting);
+    ensure!(
+        CASE,
+        got.destination == want.destination,
+        "destination {:?}, expected {:?}",
+        got.destination,
+        want.destination
+    );
+    ensure!(CASE, got.key == want.key, "key {:?}, expected {:?}", got.key, want.key);
+    ensure!(CASE, got.headers == want.headers, "headers {:?}, expected {:?}", got.headers, want.headers);
+    ensure!(CASE, got.payload == want.payload, "payload {:?}, expected {:?}", got.payload, want.payload);
+    ensure!(CASE, got == want, "dead-lettered event {got:?} differs from the delivered {want:?}");
+    let effects = fx.effects.rows().await?.into_iter().filter(|r| r.event_id == first.id).collect::<Vec<_>>();
+    ensure!(CASE, effects.len() == 1 && effects[0].value == 7, "effects {effects:?}, expected one credit of 7");
+    Ok(CaseResult::Passed(format!("dead letter {} keeps the conflicting event byte-for-byte", d.id)))
+}
+
+/// An acknowledger for deliveries the suite hands to the consumer runtime itself.
+struct Unacknowledged;
+
+#[async_trait]
+impl Acknowledge for Unacknowledged {
+    async fn ack(self: Box<Self>) -> outbox_core::Result<()> {
+        Ok(())
+    }
+    async fn nack(self: Box<Self>) -> outbox_core::Result<()> {
+        Ok(())
+    }
+}
+
+async fn inbox_remove_dead_letters<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "inbox_remove_dead_letters_only_given_ids_and_resets_failures";
+    const OTHER: &str = "suite-other-consumer";
+    // The inbox on its own: deliveries go straight to the consumer runtime, no broker.
+    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    let tag = crate::world::unique_tag();
+    // Payloads the suite's handler cannot parse: every attempt fails.
+    let events: Vec<Event> = (0..3)
+        .map(|i| {
+            let id = EventId::new(format!("{CASE}.{tag}.e{i}"))?;
+            Ok(Event::new(id, fx.destination.clone(), vec![b'x', 0, 0xff, i]).with_header("h", vec![0u8, i]))
+        })
+        .collect::<outbox_core::Result<_>>()?;
+    let consumer_named = |name: &str| {
+        let config = ConsumerConfig { max_attempts: 2, ..ConsumerConfig::new(name) };
+        suite_consumer_with((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive, config)
+    };
+    let (ours, other) = (consumer_named(CONSUMER), consumer_named(OTHER));
+    let deliver = |e: &Event| Delivery::new(e.clone(), false, None, Box::new(Unacknowledged));
+    let ids: std::collections::BTreeSet<&EventId> = events.iter().map(|e| &e.id).collect();
+    let records = |consumer: &'static str| {
+        let inbox = &fx.inbox;
+        let ids = &ids;
+        async move {
+            Ok::<_, outbox_core::Error>(
+                inbox
+                    .dead_letters(consumer)
+                    .await?
+                    .into_iter()
+                    .filter(|d| ids.contains(&d.event.id))
+                    .collect::<Vec<_>>(),
+            )
+        }
+    };
+    let dead_lettered = |h: &Handled, n: u32| *h == Handled::DeadLettered { attempts: n };
+    let retried = |h: &Handled, n: u32| matches!(h, Handled::Retry { attempts, .. } if *attempts == n);
+
+    for e in &events {
+        let a = ours.process(deliver(e)).await?;
+        let b = ours.process(deliver(e)).await?;
+        ensure!(CASE, retried(&a, 1) && dead_lettered(&b, 2), "{}: {a:?} then {b:?}", e.id);
+    }
+    let b = other.process(deliver(&events[0])).await?;
+    let b2 = other.process(deliver(&events[0])).await?;
+    ensure!(CASE, retried(&b, 1) && dead_lettered(&b2, 2), "{OTHER}: {b:?} then {b2:?}");
+    let before = records(CONSUMER).await?;
+    let other_before = records(OTHER).await?;
+    ensure!(
+        CASE,
+        before.len() == 3 && other_before.len() == 1,
+        "{} and {} dead letters",
+        before.len(),
+        other_before.len()
+    );
+    let all_ids: Vec<i64> = before.iter().chain(&other_before).map(|d| d.id).collect();
+    ensure!(
+        CASE,
+        all_ids.iter().collect::<std::collections::BTreeSet<_>>().len() == 4,
+        "store-assigned ids are not distinct: {all_ids:?}"
+    );
+    ensure!(CASE, fx.inbox.remove_dead_letters(CONSUMER, &[]).await? == 0, "removing no ids removed something");
+
+    // e0 and e2 of ours, plus the other consumer's id and one that does not exist.
+    let missing = all_ids.iter().max().copied().unwrap_or(0) + 1_000_000;
+    let asked = [before[0].id, before[2].id, other_before[0].id, missing];
+    let n = fx.inbox.remove_dead_letters(CONSUMER, &asked).await?;
+    ensure!(CASE, n == 2, "remove_dead_letters({CONSUMER}, {asked:?}) returned {n}, expected 2");
+    let after = records(CONSUMER).await?;
+    ensure!(CASE, after == [before[1].clone()], "left for {CONSUMER}: {after:?}, expected only {:?}", before[1]);
+    let other_after = records(OTHER).await?;
+    ensure!(CASE, other_after == other_before, "the other consumer's records changed: {other_after:?}");
+    ensure!(CASE, fx.inbox.remove_dead_letters(CONSUMER, &asked).await? == 0, "a second removal removed something");
+
+    // e0's count was cleared: it fails once (retry) before being dead-lettered again.
+    let a = ours.process(deliver(&events[0])).await?;
+    ensure!(CASE, retried(&a, 1), "after removal e0's next failure was {a:?}, expected Retry with attempts 1");
+    ensure!(CASE, records(CONSUMER).await?.len() == 1, "a first failure wrote a dead letter");
+    let b = ours.process(deliver(&events[0])).await?;
+    ensure!(CASE, dead_lettered(&b, 2), "e0's second failure after removal was {b:?}");
+    let fresh = records(CONSUMER).await?;
+    let new_id = fresh.iter().find(|d| d.event.id == events[0].id).map(|d| d.id);
+    ensure!(
+        CASE,
+        new_id.is_some_and(|id| !all_ids.contains(&id)),
+        "e0's new record has id {new_id:?}, seen {all_ids:?}"
+    );
+    // Counts of records that were not removed stay.
+    let c = ours.process(deliver(&events[1])).await?;
+    ensure!(CASE, dead_lettered(&c, 3), "e1 (not removed) was {c:?}, expected DeadLettered after 3 attempts");
+    let o = other.process(deliver(&events[0])).await?;
+    ensure!(CASE, dead_lettered(&o, 3), "{OTHER}'s count of e0 changed: {o:?}");
+    Ok(CaseResult::Passed(format!("removed 2 of {asked:?}; e0 counted from 1 again")))
 }
 
 fn tricky_event(destination: &Destination, tag: &str) -> outbox_core::Result<Event> {

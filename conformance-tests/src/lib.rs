@@ -15,4 +15,4 @@ pub use cases::{Case, CaseResult, Counterexample, all_cases, replay, run_case};
 pub use harness::{Capabilities, Capability, EffectRow, EffectTable, Fixture, Harness};
 pub use reference::MemoryHarness;
 pub use runner::{main, run_all, table};
-pub use service::{in_ci, require_service};
+pub use service::{amqp_url, in_ci, kafka_url, pg_url, redis_url, require_service, service_addr};

@@ -13,8 +13,8 @@ use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryOutbox, MemoryTx};
 use outbox_core::store::all_rows;
 use outbox_core::{
     Acknowledge, Broker, Claimed, Completion, ConsumerGroup, DeadLetter, Delivery, Destination, Event, EventId,
-    Fingerprint, Inbox, Lease, LedgerState, ManualClock, MarkOutcome, Marker, OutboxStats, OutboxStore, Outcome,
-    ParkedRow, Result, RowId, RowSnapshot, RowStatus, Subscription, VersionOutcome,
+    Fingerprint, Inbox, InboxAdmin, Lease, LedgerState, ManualClock, MarkOutcome, Marker, OutboxStats, OutboxStore,
+    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, Subscription, VersionOutcome,
 };
 
 use crate::harness::{Capabilities, EffectRow, EffectTable, Fixture, Harness};
@@ -211,10 +211,6 @@ pub struct MutantTx {
 impl Inbox for MutantInbox {
     type Tx = MutantTx;
 
-    fn backend(&self) -> &'static str {
-        "mutant"
-    }
-
     async fn begin(&self) -> Result<MutantTx> {
         Ok(MutantTx { inner: self.inner.begin().await?, deferred: Vec::new() })
     }
@@ -282,6 +278,13 @@ impl Inbox for MutantInbox {
     async fn record_failure(&self, c: &str, id: &EventId) -> Result<u32> {
         self.inner.record_failure(c, id).await
     }
+}
+
+#[async_trait]
+impl InboxAdmin for MutantInbox {
+    fn backend(&self) -> &'static str {
+        "mutant"
+    }
 
     async fn markers(&self, c: &str) -> Result<Vec<Marker>> {
         self.inner.markers(c).await
@@ -289,6 +292,10 @@ impl Inbox for MutantInbox {
 
     async fn dead_letters(&self, c: &str) -> Result<Vec<DeadLetter>> {
         self.inner.dead_letters(c).await
+    }
+
+    async fn remove_dead_letters(&self, c: &str, ids: &[i64]) -> Result<u64> {
+        self.inner.remove_dead_letters(c, ids).await
     }
 
     async fn prune_markers(&self, c: &str, older_than: Duration) -> Result<u64> {

@@ -70,6 +70,16 @@ pub type SuiteConsumer<I> = Consumer<I, SuiteHandler<I>>;
 /// Build the suite's consumer for an inbox handle.
 pub fn suite_consumer<I: Inbox>(inbox: I, effects: Arc<dyn EffectTable<I>>, kind: EffectKind) -> SuiteConsumer<I> {
     let config = ConsumerConfig { max_attempts: 1000, ..ConsumerConfig::new(CONSUMER) };
+    suite_consumer_with(inbox, effects, kind, config)
+}
+
+/// The suite's handler under another name or attempt limit (dead-letter cases).
+pub(crate) fn suite_consumer_with<I: Inbox>(
+    inbox: I,
+    effects: Arc<dyn EffectTable<I>>,
+    kind: EffectKind,
+    config: ConsumerConfig,
+) -> SuiteConsumer<I> {
     Consumer::new(inbox, SuiteHandler { kind, effects }, config)
 }
 
@@ -528,8 +538,8 @@ impl<I: Inbox> World<I> {
             .dead_letters(CONSUMER)
             .await?
             .into_iter()
-            .filter(|d| ids.contains(&d.event_id))
-            .map(|d| (d.event_id, d.reason.as_str().to_string()))
+            .filter(|d| ids.contains(&d.event.id))
+            .map(|d| (d.event.id, d.reason.as_str().to_string()))
             .collect();
         Ok(DurableState {
             events: self.events,

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use outbox_core::{
     Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, Event, Inbox, LedgerState, MarkOutcome, Result,
-    Subscription, Timestamp, VersionOutcome,
+    Subscription, VersionOutcome,
 };
 use tracing::{debug, warn};
 
@@ -194,15 +194,10 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
         self.inner.inbox.prune_markers(&self.inner.config.name, r.markers()).await
     }
 
+    /// The record of giving up on `event`: the whole event as delivered, so that a replay
+    /// publishes exactly what arrived.
     fn dead_letter(&self, event: &Event, reason: DeadLetterReason, error: String) -> DeadLetter {
-        DeadLetter {
-            consumer: self.inner.config.name.clone(),
-            event_id: event.id.clone(),
-            reason,
-            error,
-            payload: event.payload.clone(),
-            at: Timestamp::default(),
-        }
+        DeadLetter::new(self.inner.config.name.clone(), event.clone(), reason, error)
     }
 }
 

@@ -9,7 +9,8 @@ use async_trait::async_trait;
 use outbox_consumer_inbox::{Consumer, ConsumerConfig, EffectKind, Handled, Handler, Retention};
 use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryTx};
 use outbox_core::{
-    Broker, ConsumerGroup, DeadLetterReason, Destination, Error, ErrorKind, Event, EventId, Inbox, ManualClock, Result,
+    Broker, ConsumerGroup, DeadLetterReason, Destination, Error, ErrorKind, Event, EventId, Inbox, InboxAdmin,
+    ManualClock, Result,
 };
 
 const WAIT: Duration = Duration::from_millis(50);
@@ -77,7 +78,9 @@ fn table(inbox: &MemoryInbox, t: &str) -> Vec<String> {
 async fn duplicates_apply_once_and_conflicts_are_dead_lettered() {
     let inbox = MemoryInbox::default();
     let consumer = Consumer::new(inbox.clone(), Credit { fail_first: 0.into() }, ConsumerConfig::new("billing"));
-    let events = [ev("a", b"7"), ev("b", b"7"), ev("a", b"7"), ev("c", b"0"), ev("a", b"9")];
+    // The conflicting delivery carries a key and binary headers: the dead letter keeps all of it.
+    let conflicting = ev("a", b"9\0\xff").with_key("acct-1").with_header("trace", vec![0u8, 0xff, 1]);
+    let events = [ev("a", b"7"), ev("b", b"7"), ev("a", b"7"), ev("c", b"0"), conflicting.clone()];
     let (broker, mut sub) = broker_with(&events).await;
     let handled = consumer.drain(sub.as_mut(), WAIT).await.unwrap();
     assert_eq!(handled, [Handled::Applied, Handled::Applied, Handled::Duplicate, Handled::Applied, Handled::Conflict]);
@@ -85,10 +88,9 @@ async fn duplicates_apply_once_and_conflicts_are_dead_lettered() {
     assert_eq!(inbox.markers("billing").await.unwrap().len(), 3);
     let dead = inbox.dead_letters("billing").await.unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(
-        (dead[0].event_id.as_str(), dead[0].reason, dead[0].payload.as_slice()),
-        ("a", DeadLetterReason::Conflict, &b"9"[..])
-    );
+    assert_eq!((dead[0].consumer.as_str(), dead[0].reason), ("billing", DeadLetterReason::Conflict));
+    assert_eq!(dead[0].event, conflicting, "the whole delivered event, byte-for-byte");
+    assert!(dead[0].id > 0 && dead[0].destination_known());
     assert_eq!(broker.unacknowledged(&Destination::new("t").unwrap(), &ConsumerGroup::new("g").unwrap()), 0);
 }
 
@@ -108,6 +110,7 @@ async fn handler_errors_are_retried_then_dead_lettered_and_the_stream_keeps_flow
     let dead = inbox.dead_letters("billing").await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason, DeadLetterReason::HandlerFailed);
+    assert_eq!(dead[0].event, ev("poison-1", b"poison"));
     assert!(dead[0].error.contains("cannot parse payload") && dead[0].error.contains("3 times"), "{}", dead[0].error);
     assert!(inbox.markers("billing").await.unwrap().iter().all(|m| m.event_id.as_str() != "poison-1"));
     assert_eq!(broker.unacknowledged(&Destination::new("t").unwrap(), &ConsumerGroup::new("g").unwrap()), 0);
@@ -164,7 +167,7 @@ async fn notifications_go_through_the_ledger_and_an_unknown_outcome_is_not_repea
     assert_eq!(inbox.ledger("mailer", &EventId::new("m2").unwrap()), outbox_core::LedgerState::Done);
     let dead = inbox.dead_letters("mailer").await.unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!((dead[0].event_id.as_str(), dead[0].reason), ("m1", DeadLetterReason::Uncertain));
+    assert_eq!((dead[0].event.id.as_str(), dead[0].reason), ("m1", DeadLetterReason::Uncertain));
 }
 
 #[tokio::test]
@@ -208,4 +211,34 @@ async fn pruning_respects_the_checked_retention() {
     assert_eq!(consumer.prune_markers().await.unwrap(), 1);
     let left: Vec<_> = inbox.markers("billing").await.unwrap().into_iter().map(|m| m.event_id.to_string()).collect();
     assert_eq!(left, ["young"]);
+}
+
+#[tokio::test]
+async fn a_removed_dead_letter_replays_with_its_full_attempts() {
+    let inbox = MemoryInbox::default();
+    let config = ConsumerConfig { max_attempts: 2, ..ConsumerConfig::new("billing") };
+    let consumer = Consumer::new(inbox.clone(), Credit { fail_first: 0.into() }, config);
+    let poison = ev("p", b"poison").with_key("k").with_header("h", vec![0u8, 0xfe]);
+    let (broker, mut sub) = broker_with(std::slice::from_ref(&poison)).await;
+    let handled = consumer.drain(sub.as_mut(), WAIT).await.unwrap();
+    assert!(matches!(handled.as_slice(), [Handled::Retry { attempts: 1, .. }, Handled::DeadLettered { attempts: 2 }]));
+    let dead = inbox.dead_letters("billing").await.unwrap();
+    assert_eq!(dead.len(), 1);
+
+    // Replay as an operator would: publish the recorded event, then remove the record.
+    broker.publish(&dead[0].event).await.unwrap();
+    assert_eq!(inbox.remove_dead_letters("other", &[dead[0].id]).await.unwrap(), 0, "another consumer's id");
+    assert_eq!(inbox.remove_dead_letters("billing", &[dead[0].id, dead[0].id + 100]).await.unwrap(), 1);
+    assert!(inbox.dead_letters("billing").await.unwrap().is_empty());
+
+    // The replayed delivery counts from 1 again, and is dead-lettered anew after 2 failures.
+    let handled = consumer.drain(sub.as_mut(), WAIT).await.unwrap();
+    assert!(
+        matches!(handled.as_slice(), [Handled::Retry { attempts: 1, .. }, Handled::DeadLettered { attempts: 2 }]),
+        "{handled:?}"
+    );
+    let again = inbox.dead_letters("billing").await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].event, poison);
+    assert!(again[0].id > dead[0].id, "a new record with a new id");
 }

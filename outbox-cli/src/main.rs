@@ -1,5 +1,9 @@
-//! The `outbox` program. It is the only place where a store and a broker are chosen for the user:
-//! the library crates never pick infrastructure.
+//! The `outbox` program. It is the only place where a store and a broker are chosen for the user
+//! (by URL, through the `outbox` facade crate): the library crates never pick infrastructure.
+//!
+//! Exit codes: 0 success; 1 a runtime error (unreachable server, wrong password, failed
+//! operation); 2 a usage error (bad flag, bad duration, bad log filter); 3 a failed verdict
+//! (`demo`, `conformance`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,22 +12,66 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod conformance;
 mod demo;
+mod duration;
+mod metrics;
+mod ops;
+mod relay;
+
+/// Exit code of a runtime error.
+const EXIT_ERROR: u8 = 1;
+/// Exit code of a usage error (clap uses it too).
+const EXIT_USAGE: u8 = 2;
+/// Exit code of a failed verdict.
+const EXIT_VERDICT: u8 = 3;
 
 #[derive(Parser)]
-#[command(name = "outbox", version, about = "Transactional outbox: the embedded demo and the conformance suite")]
+#[command(
+    name = "outbox",
+    version,
+    about = "Transactional outbox: run a relay, operate the outbox and the inbox, the demo and the conformance suite",
+    after_help = "Exit codes: 0 success, 1 runtime error, 2 usage error, 3 failed verdict (demo, conformance)."
+)]
 struct Cli {
-    /// Log filter (tracing `EnvFilter` syntax). `warn` shows every fenced completion; `outbox=debug` every publish.
-    #[arg(long, env = "OUTBOX_LOG", default_value = "error", global = true)]
-    log: String,
+    /// Log filter (tracing `EnvFilter` syntax, e.g. `info`, `outbox.relay=debug`). `warn` shows every
+    /// fenced completion.
+    #[arg(long, env = "OUTBOX_LOG", global = true)]
+    log: Option<String>,
+    /// Log line format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
 #[derive(Subcommand)]
 enum Command {
-    /// Run the whole story on the embedded default: SQLite files and the in-process broker, two
-    /// relays (one stalls until its lease expires), a consumer applying credits through the inbox;
-    /// then judge the contract from durable state.
+    /// Run a relay until SIGTERM/SIGINT: claim rows from the store, publish them to the broker,
+    /// record the outcome. On the signal, in-flight publishes finish, the rest of the batch is
+    /// released, and the program exits 0.
+    Relay(relay::RelayArgs),
+    /// Apply the store's schema migrations (idempotent; PostgreSQL's are explicit, SQLite
+    /// migrates on open).
+    Migrate(ops::StoreArgs),
+    /// Print the outbox's row counts by status and the age of the oldest pending row.
+    Stats(ops::StatsArgs),
+    /// List outbox rows, optionally only those of one status.
+    Inspect(ops::InspectArgs),
+    /// Dead-lettered (parked) outbox rows: list, requeue or purge them.
+    #[command(subcommand)]
+    Parked(ops::ParkedCommand),
+    /// A consumer's dead letters: list, replay (publish again) or purge them.
+    #[command(subcommand, name = "dead-letters")]
+    DeadLetters(ops::DeadLetterCommand),
+    /// Run the whole story (producer, two relays — one stalls past its lease — and a consumer
+    /// with the inbox) on any store and broker, then judge the contract from durable state.
     Demo(demo::DemoArgs),
     /// Run the conformance suite and print the failure-class table.
     Conformance(ConformanceArgs),
@@ -44,31 +92,58 @@ enum Backends {
     Memory,
 }
 
+fn init_logging(cli: &Cli) -> Result<(), String> {
+    // The relay logs its batches at info; the one-shot commands only what went wrong.
+    let default = match cli.command {
+        Command::Relay(_) => "info",
+        Command::Demo(_) | Command::Conformance(_) => "error",
+        _ => "warn",
+    };
+    let spec = cli.log.clone().unwrap_or_else(|| default.to_string());
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec).map_err(|e| format!("--log {spec:?}: {e}"))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    if let Err(e) = init_logging(&cli) {
+        eprintln!("outbox: {e}");
+        return ExitCode::from(EXIT_USAGE);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("outbox: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
+            return ExitCode::from(EXIT_ERROR);
         }
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Relay(args) => relay::run(args).await.map(|()| true),
+            Command::Migrate(args) => ops::migrate(args).await.map(|()| true),
+            Command::Stats(args) => ops::stats(args).await.map(|()| true),
+            Command::Inspect(args) => ops::inspect(args).await.map(|()| true),
+            Command::Parked(cmd) => ops::parked(cmd).await.map(|()| true),
+            Command::DeadLetters(cmd) => ops::dead_letters(cmd).await.map(|()| true),
             Command::Demo(args) => demo::run(args).await,
             Command::Conformance(args) => conformance::run(matches!(args.store, Backends::Memory)).await,
         }
     });
+    // Don't wait for tasks still blocked on a dead server.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
+        Ok(false) => ExitCode::from(EXIT_VERDICT),
         Err(e) => {
-            eprintln!("outbox: {e}");
-            ExitCode::from(2)
+            // One line, whatever the source chain holds.
+            let text = e.to_string().replace(['\n', '\r'], " ");
+            eprintln!("outbox: {text}");
+            ExitCode::from(if e.kind() == outbox::ErrorKind::InvalidInput { EXIT_USAGE } else { EXIT_ERROR })
         }
     }
 }

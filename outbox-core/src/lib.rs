@@ -2,6 +2,7 @@
 
 pub mod broker;
 pub mod clock;
+pub mod config;
 pub mod error;
 pub mod event;
 pub mod inbox;
@@ -9,14 +10,17 @@ pub mod memory;
 pub mod relay;
 pub mod rng;
 pub mod store;
+pub mod wakeup;
 
 pub use broker::{Acknowledge, Broker, Delivery, Subscription};
 pub use clock::{Clock, ManualClock, SharedClock, SystemClock, Timestamp};
+pub use config::{ConnectionUrl, HostPort, UrlSpec, env_url, redact};
 pub use error::{Error, ErrorKind, Result, Retry};
 pub use event::{ConsumerGroup, Destination, Event, EventId, Fingerprint, Headers};
-pub use inbox::{DeadLetter, DeadLetterReason, Inbox, LedgerState, MarkOutcome, Marker, VersionOutcome};
+pub use inbox::{DeadLetter, DeadLetterReason, Inbox, InboxAdmin, LedgerState, MarkOutcome, Marker, VersionOutcome};
 pub use relay::{Backoff, BatchReport, Relay, RelayConfig, Shutdown};
 pub use store::{
     Claimed, Completion, Lease, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId, RowSnapshot,
     RowStatus,
 };
+pub use wakeup::{Wakeup, WakeupSender};

@@ -72,8 +72,13 @@ pub struct RelayConfig {
     pub max_attempts: u32,
     /// Retry delays.
     pub backoff: Backoff,
-    /// Sleep between polls when nothing was claimable (the `run` loop only).
+    /// Longest wait between polls when nothing was claimable (the `run` loop only). With
+    /// [`wakeup`](RelayConfig::wakeup) it is the safety net; without, it is the latency.
     pub idle_poll: Duration,
+    /// Also wake up as soon as the store signals an enqueue
+    /// ([`OutboxStore::wakeup`](crate::OutboxStore::wakeup)), instead of only every `idle_poll`
+    /// (the `run` loop only). On by default; a store without a signal just polls.
+    pub wakeup: bool,
     /// Seed of the jitter generator (`None`: from the system time).
     pub seed: Option<u64>,
 }
@@ -88,6 +93,7 @@ impl Default for RelayConfig {
             max_attempts: 10,
             backoff: Backoff::default(),
             idle_poll: Duration::from_millis(500),
+            wakeup: true,
             seed: None,
         }
     }
@@ -274,21 +280,43 @@ impl Relay {
         }
     }
 
-    /// Run until [`Shutdown::trigger`]: batches back to back while there is work, polling every
-    /// `idle_poll` when there is none. Claim errors are logged and retried after `idle_poll`.
+    /// Run until [`Shutdown::trigger`]: batches back to back while there is work; when there is
+    /// none, wait for the first of the store's wake-up signal ([`OutboxStore::wakeup`], if
+    /// [`RelayConfig::wakeup`] is on and the store has one), `idle_poll` and shutdown. Claim
+    /// errors are logged and retried after `idle_poll` (a signal does not cut that wait short,
+    /// so a failing store is not hammered at the enqueue rate).
+    ///
+    /// Never spins: every wait ends on a timer, on shutdown, or on a signal sent after the last
+    /// claim started.
     ///
     /// # Errors
     /// None today; the signature leaves room for fatal errors.
     pub async fn run(&self) -> Result<BatchReport> {
+        // Subscribe before the first claim, so nothing enqueued after it goes unnoticed.
+        let mut wakeup = if self.config.wakeup { self.store.wakeup() } else { None };
         while !self.shutdown.is_triggered() {
-            match self.run_once().await {
-                Ok(r) if r.claimed > 0 => continue,
-                Ok(_) => {}
-                Err(e) => warn!(target: "outbox.relay", owner = %self.config.owner, error = %e, "claim failed"),
+            // Whatever was signalled so far is visible to the claim that follows.
+            if let Some(w) = wakeup.as_mut() {
+                w.mark_seen();
             }
+            let idle = match self.run_once().await {
+                Ok(r) if r.claimed > 0 => continue,
+                Ok(_) => true,
+                Err(e) => {
+                    warn!(target: "outbox.relay", owner = %self.config.owner, error = %e, "claim failed");
+                    false
+                }
+            };
+            let signal = async {
+                match wakeup.as_mut() {
+                    Some(w) if idle => w.wait().await,
+                    _ => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = tokio::time::sleep(self.config.idle_poll) => {}
                 () = self.shutdown.wait() => {}
+                () = signal => debug!(target: "outbox.relay", owner = %self.config.owner, "woken by the store"),
             }
         }
         Ok(self.totals())

@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use crate::clock::Timestamp;
 use crate::error::Result;
 use crate::event::Event;
+use crate::wakeup::Wakeup;
 
 /// Database identity of an outbox row. Sequence order is not commit order: rows are claimed by
 /// state, never by an id high-water mark.
@@ -258,6 +259,27 @@ pub trait OutboxStore: Send + Sync {
     /// # Behavior
     /// - at most `limit` rows with `row_id > after`; status as of the store's current time.
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>>;
+
+    /// A signal that rows were enqueued, for relays in this process (see [`Wakeup`]).
+    ///
+    /// [`Relay::run`](crate::Relay::run) waits for the first of this signal, its poll timer
+    /// and shutdown, so a relay claims new rows as soon as they are visible instead of at the
+    /// next poll.
+    ///
+    /// # Behavior
+    /// - the default returns `None`: the store cannot tell, and relays find new rows by polling;
+    /// - each call returns a new subscriber that has seen every signal sent before the call;
+    /// - rows enqueued through this store (or a clone of it) trigger a signal no earlier than a
+    ///   claim can find them: after the commit, or, for an enqueue in the caller's transaction,
+    ///   at that commit or at a point from which a claim waits for it (each store documents
+    ///   which); a rolled-back enqueue leaves nothing to find;
+    /// - a signal is a hint: it may be spurious (a woken relay that finds nothing waits again)
+    ///   and it may be missing (rows written where the store cannot see, retry times coming due,
+    ///   expired leases), which is why relays keep polling as a safety net;
+    /// - sending is cheap and never blocks the enqueue that triggers it.
+    fn wakeup(&self) -> Option<Wakeup> {
+        None
+    }
 }
 
 /// Read every row of a store (pages through [`OutboxStore::inspect`]).

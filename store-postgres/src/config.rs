@@ -9,19 +9,18 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use outbox_core::config::{ConnectionUrl, UrlSpec, env_url, redact};
 use outbox_core::event::DEFAULT_MAX_PAYLOAD;
 use outbox_core::{Error, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use url::Url;
 
 use crate::error::BACKEND;
 
 /// The environment variable [`PgConfig::from_env`] reads.
 pub const URL_ENV: &str = "OUTBOX_PG_URL";
 
-/// The URL [`PgConfig::from_env`] falls back to when [`URL_ENV`] is unset (the development and
-/// test server started by `scripts/services ensure postgres`).
-pub const DEFAULT_URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/test";
+/// The URLs [`PgConfig::from_url`] accepts.
+const URL_SPEC: UrlSpec = UrlSpec::new(BACKEND, &["postgres", "postgresql"]);
 
 /// PostgreSQL's identifier limit (`NAMEDATALEN - 1`).
 pub const MAX_IDENTIFIER_LEN: usize = 63;
@@ -86,6 +85,10 @@ pub const MAX_PREFIX_LEN: usize = MAX_IDENTIFIER_LEN - longest_suffix();
 /// | `outbox_connect_timeout_ms` | [`connect_timeout`](PgConfig::connect_timeout) | 10000 |
 /// | `outbox_max_payload` | [`max_payload`](PgConfig::max_payload) | 1 MiB |
 ///
+/// An `outbox_*` parameter not in this table is an error that lists the known ones, so a typo
+/// cannot silently fall back to a default. The user name, password and database are
+/// percent-decoded (a password `p@ss` is written `p%40ss`).
+///
 /// `Debug` and `Display` never show the password (neither the one in the user info nor a
 /// `password=` parameter).
 #[derive(Clone, PartialEq, Eq)]
@@ -107,71 +110,36 @@ impl PgConfig {
     ///
     /// # Errors
     /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when the URL does not parse, is not
-    /// `postgres://` / `postgresql://`, or carries an invalid `outbox_*` parameter.
+    /// `postgres://` / `postgresql://`, carries an unknown or invalid `outbox_*` parameter or a
+    /// parameter sqlx rejects, or names an invalid schema or prefix. The message shows the URL
+    /// with its password redacted.
     pub fn from_url(url: &str) -> Result<Self> {
-        let mut parsed = Url::parse(url)
-            .map_err(|e| Error::config(BACKEND, format!("cannot parse the PostgreSQL URL {}: {e}", redact_str(url))))?;
-        if !matches!(parsed.scheme(), "postgres" | "postgresql") {
-            return Err(Error::config(
-                BACKEND,
-                format!("the URL {} is not postgres:// or postgresql://", redact_url(&parsed)),
-            ));
-        }
-        let mut config = Self {
-            url: String::new(),
-            schema: "public".into(),
-            table_prefix: "outbox_".into(),
-            pool_size: 10,
-            statement_timeout: Duration::from_secs(5),
-            lock_timeout: Duration::from_secs(2),
-            connect_timeout: Duration::from_secs(10),
-            max_payload: DEFAULT_MAX_PAYLOAD,
+        let mut url = ConnectionUrl::parse(&URL_SPEC, url)?;
+        let config = Self {
+            schema: url.outbox_str("outbox_schema").unwrap_or_else(|| "public".into()),
+            table_prefix: url.outbox_str("outbox_table_prefix").unwrap_or_else(|| "outbox_".into()),
+            pool_size: url.outbox_u32("outbox_pool_size")?.unwrap_or(10),
+            statement_timeout: url.outbox_duration_ms("outbox_statement_timeout_ms")?.unwrap_or(Duration::from_secs(5)),
+            lock_timeout: url.outbox_duration_ms("outbox_lock_timeout_ms")?.unwrap_or(Duration::from_secs(2)),
+            connect_timeout: url.outbox_duration_ms("outbox_connect_timeout_ms")?.unwrap_or(Duration::from_secs(10)),
+            max_payload: url.outbox_usize("outbox_max_payload")?.unwrap_or(DEFAULT_MAX_PAYLOAD),
             application_name: None,
+            url: url.driver_url(),
         };
-        let mut kept = Vec::new();
-        for (key, value) in parsed.query_pairs() {
-            let number = |what: &str| {
-                value.parse::<u64>().map_err(|_| {
-                    Error::config(BACKEND, format!("URL parameter {key}={value:?} must be a whole number of {what}"))
-                })
-            };
-            match &*key {
-                "outbox_schema" => config.schema = value.to_string(),
-                "outbox_table_prefix" => config.table_prefix = value.to_string(),
-                "outbox_pool_size" => {
-                    config.pool_size = u32::try_from(number("connections")?)
-                        .map_err(|_| Error::config(BACKEND, format!("outbox_pool_size={value} is too large")))?;
-                }
-                "outbox_statement_timeout_ms" => config.statement_timeout = Duration::from_millis(number("ms")?),
-                "outbox_lock_timeout_ms" => config.lock_timeout = Duration::from_millis(number("ms")?),
-                "outbox_connect_timeout_ms" => config.connect_timeout = Duration::from_millis(number("ms")?),
-                "outbox_max_payload" => {
-                    config.max_payload = usize::try_from(number("bytes")?)
-                        .map_err(|_| Error::config(BACKEND, format!("outbox_max_payload={value} is too large")))?;
-                }
-                _ => kept.push((key.into_owned(), value.into_owned())),
-            }
-        }
-        if kept.is_empty() {
-            parsed.set_query(None);
-        } else {
-            parsed.query_pairs_mut().clear().extend_pairs(kept);
-        }
-        config.url = parsed.into();
+        url.finish()?;
         config.validate()?;
+        // sqlx has the last word on its own parameters (`sslmode`, ...).
+        config.connect_options()?;
         Ok(config)
     }
 
-    /// Settings from the URL in [`URL_ENV`] (`OUTBOX_PG_URL`), or [`DEFAULT_URL`] when it is unset.
+    /// Settings from the URL in [`URL_ENV`] (`OUTBOX_PG_URL`). There is no default server.
     ///
     /// # Errors
-    /// As [`from_url`](PgConfig::from_url); also when the variable is not valid Unicode.
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when the variable is unset, blank
+    /// or not valid Unicode, or as [`from_url`](PgConfig::from_url).
     pub fn from_env() -> Result<Self> {
-        match std::env::var(URL_ENV) {
-            Ok(url) => Self::from_url(&url),
-            Err(std::env::VarError::NotPresent) => Self::from_url(DEFAULT_URL),
-            Err(e) => Err(Error::config(BACKEND, format!("{URL_ENV}: {e}"))),
-        }
+        Self::from_url(&env_url(URL_ENV, BACKEND)?)
     }
 
     /// Put the tables in `schema` (created by [`PgStore::migrate`](crate::PgStore::migrate) if
@@ -224,8 +192,10 @@ impl PgConfig {
         self
     }
 
-    /// `application_name` of every connection (shown in `pg_stat_activity`); overrides the
-    /// URL's `application_name` parameter.
+    /// `application_name` of every connection this config opens (shown in `pg_stat_activity`);
+    /// overrides the URL's `application_name` parameter. It is part of
+    /// [`connect_options`](PgConfig::connect_options), so it applies to a pool built from them
+    /// and to [`PgStore::connect`](crate::PgStore::connect).
     #[must_use]
     pub fn with_application_name(mut self, name: impl Into<String>) -> Self {
         self.application_name = Some(name.into());
@@ -267,9 +237,15 @@ impl PgConfig {
         self.max_payload
     }
 
+    /// The `application_name` set by [`with_application_name`](PgConfig::with_application_name),
+    /// if any (a URL's `application_name` parameter is the driver's and is not shown here).
+    pub fn application_name(&self) -> Option<&str> {
+        self.application_name.as_deref()
+    }
+
     /// The driver URL with the password replaced by `***`.
     pub fn redacted_url(&self) -> String {
-        redact_str(&self.url)
+        redact(&self.url)
     }
 
     /// Check the schema and prefix (identifier alphabet and length) and the pool size.
@@ -291,13 +267,18 @@ impl PgConfig {
         Ok(())
     }
 
-    /// The driver's connect options (the URL without the `outbox_*` parameters).
+    /// The driver's connect options: the URL without the `outbox_*` parameters, and the
+    /// [`application_name`](PgConfig::with_application_name) when one was set.
     ///
     /// # Errors
     /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when sqlx rejects the URL.
     pub fn connect_options(&self) -> Result<PgConnectOptions> {
-        PgConnectOptions::from_str(&self.url)
-            .map_err(|e| Error::config(BACKEND, format!("invalid PostgreSQL URL {}: {e}", self.redacted_url())))
+        let options = PgConnectOptions::from_str(&self.url)
+            .map_err(|e| Error::config(BACKEND, format!("invalid PostgreSQL URL {}: {e}", self.redacted_url())))?;
+        Ok(match &self.application_name {
+            Some(name) => options.application_name(name),
+            None => options,
+        })
     }
 
     /// Pool options carrying this config's pool size, connect timeout, and the per-connection
@@ -390,37 +371,13 @@ pub fn validate_identifier(what: &str, value: &str, max: usize) -> Result<()> {
     Ok(())
 }
 
-fn redact_url(url: &Url) -> String {
-    let mut url = url.clone();
-    if url.password().is_some() {
-        // Only fails for URLs that cannot have a password, which this one has.
-        let _ = url.set_password(Some("***"));
-    }
-    if url.query_pairs().any(|(k, _)| k == "password") {
-        let pairs: Vec<(String, String)> = url
-            .query_pairs()
-            .map(|(k, v)| {
-                let v = if k == "password" { "***".to_string() } else { v.into_owned() };
-                (k.into_owned(), v)
-            })
-            .collect();
-        url.query_pairs_mut().clear().extend_pairs(pairs);
-    }
-    url.into()
-}
-
-/// Redact a URL given as text; text that does not parse is hidden entirely.
-fn redact_str(url: &str) -> String {
-    match Url::parse(url) {
-        Ok(u) => redact_url(&u),
-        Err(_) => "<unparsable URL>".into(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use outbox_core::ErrorKind;
+
+    /// Parsing only: nothing connects to it.
+    const URL: &str = "postgres://postgres:postgres@127.0.0.1:5432/test";
 
     #[test]
     fn parses_outbox_parameters_and_strips_them() {
@@ -443,7 +400,7 @@ mod tests {
 
     #[test]
     fn defaults() {
-        let c = PgConfig::from_url(DEFAULT_URL).unwrap();
+        let c = PgConfig::from_url(URL).unwrap();
         assert_eq!(c.schema(), "public");
         assert_eq!(c.table_prefix(), "outbox_");
         assert_eq!(c.statement_timeout(), Duration::from_secs(5));
@@ -464,8 +421,53 @@ mod tests {
     }
 
     #[test]
+    fn unknown_or_bad_outbox_parameters_are_errors() {
+        let err = PgConfig::from_url("postgres://u:hunter2@h/db?outbox_pool_sise=3").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        let text = err.to_string();
+        assert!(text.contains("outbox_pool_sise") && text.contains("outbox_pool_size"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+        for bad in [
+            "postgres://u:hunter2@h/db?outbox_pool_size=ten",
+            "postgres://u:hunter2@h/db?outbox_pool_size=4294967296",
+            "postgres://u:hunter2@h/db?outbox_pool_size=0",
+            "postgres://u:hunter2@h/db?outbox_lock_timeout_ms=1s",
+            "postgres://u:hunter2@h/db?sslmode=sometimes",
+            "postgres://u:hunter2@h1,h2/db",
+            "postgres://u:hunter2%zz@h/db",
+        ] {
+            let err = PgConfig::from_url(bad).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{bad}");
+            assert!(!format!("{err} {err:?}").contains("hunter2"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn percent_encoded_credentials_reach_the_driver_decoded() {
+        let c = PgConfig::from_url("postgres://app%40corp:p%40ss%3Aw%25rd@db/my%20db?application_name=from-url").unwrap();
+        let options = c.connect_options().unwrap();
+        assert_eq!(options.get_username(), "app@corp");
+        assert_eq!(options.get_database(), Some("my db"));
+        assert_eq!(options.get_application_name(), Some("from-url"));
+        for text in [format!("{c:?}"), c.to_string(), c.redacted_url()] {
+            assert!(!text.contains("p%40ss") && !text.contains("w%25rd"), "{text}");
+        }
+    }
+
+    #[test]
+    fn application_name_is_set_on_the_connect_options() {
+        let c = PgConfig::from_url(URL).unwrap();
+        assert_eq!(c.connect_options().unwrap().get_application_name(), None);
+        let c = c.with_application_name("relay-7");
+        assert_eq!(c.application_name(), Some("relay-7"));
+        assert_eq!(c.connect_options().unwrap().get_application_name(), Some("relay-7"));
+        let c = PgConfig::from_url(&format!("{URL}?application_name=from-url")).unwrap().with_application_name("builder");
+        assert_eq!(c.connect_options().unwrap().get_application_name(), Some("builder"));
+    }
+
+    #[test]
     fn identifiers_are_validated() {
-        let base = PgConfig::from_url(DEFAULT_URL).unwrap();
+        let base = PgConfig::from_url(URL).unwrap();
         for bad in ["Bad-Name", "x; drop table", "", "1abc", "a\"b", "Upper", "pg_catalog"] {
             let err = base.clone().with_schema(bad).validate().unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Config, "{bad:?}");

@@ -13,9 +13,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_core::event::{decode_headers, encode_headers};
 use outbox_core::{
-    DeadLetter, DeadLetterReason, Error, ErrorKind, EventId, Fingerprint, Inbox, LedgerState, MarkOutcome, Marker,
-    Result, Timestamp, VersionOutcome,
+    DeadLetter, DeadLetterReason, Destination, Error, ErrorKind, Event, EventId, Fingerprint, Inbox, InboxAdmin,
+    LedgerState, MarkOutcome, Marker, Result, Timestamp, VersionOutcome,
 };
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
@@ -225,13 +226,89 @@ fn vanished(what: &str) -> Error {
     Error::transient(ErrorKind::Busy, BACKEND, format!("{what}: the row changed concurrently; retry the transaction"))
 }
 
-#[async_trait]
-impl Inbox for PgInbox {
-    type Tx = PgTx;
+fn decode_dead_letter(consumer: &str, r: &PgRow) -> Result<DeadLetter> {
+    let id: i64 = get(r, "id")?;
+    let bad = |what: &str, e: Error| corrupt(format!("dead letter {id} of {consumer}: {what}: {}", e.message()));
+    let event_id = EventId::new(get::<String>(r, "event_id")?).map_err(|e| bad("event id", e))?;
+    let destination = Destination::new(get::<String>(r, "destination")?).map_err(|e| bad("destination", e))?;
+    let headers = decode_headers(&get::<Vec<u8>>(r, "headers")?, BACKEND).map_err(|e| bad("headers", e))?;
+    let reason: String = get(r, "reason")?;
+    Ok(DeadLetter {
+        id,
+        consumer: consumer.to_owned(),
+        event: Event { id: event_id, destination, key: get(r, "key")?, headers, payload: get(r, "payload")? },
+        reason: DeadLetterReason::parse(&reason)
+            .ok_or_else(|| corrupt(format!("dead letter {id} of {consumer}: unknown reason {reason:?}")))?,
+        error: get(r, "error")?,
+        at: Timestamp(get(r, "at")?),
+    })
+}
 
+#[async_trait]
+impl InboxAdmin for PgInbox {
     fn backend(&self) -> &'static str {
         BACKEND
     }
+
+    async fn markers(&self, consumer: &str) -> Result<Vec<Marker>> {
+        let rows = sqlx::query(AssertSqlSafe(self.tables.sql.markers.clone()))
+            .bind(consumer)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(in_tx("markers"))?;
+        rows.iter()
+            .map(|r| {
+                let event_id: String = get(r, "event_id")?;
+                Ok(Marker {
+                    consumer: consumer.to_owned(),
+                    event_id: EventId::new(event_id).map_err(|e| corrupt(format!("stored marker: {}", e.message())))?,
+                    fingerprint: fingerprint(&get::<Vec<u8>>(r, "fingerprint")?)?,
+                    at: Timestamp(get(r, "at")?),
+                })
+            })
+            .collect()
+    }
+
+    async fn dead_letters(&self, consumer: &str) -> Result<Vec<DeadLetter>> {
+        let rows = sqlx::query(AssertSqlSafe(self.tables.sql.dead_letters.clone()))
+            .bind(consumer)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(in_tx("dead_letters"))?;
+        rows.iter().map(|r| decode_dead_letter(consumer, r)).collect()
+    }
+
+    async fn remove_dead_letters(&self, consumer: &str, ids: &[i64]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let mut conn = self.pool.acquire().await.map_err(|e| map(e, Phase::InTransaction, "acquiring a connection"))?;
+        // One statement: the records and their failure counts go together or not at all.
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(self.tables.sql.remove_dead_letters.clone()))
+            .bind(consumer)
+            .bind(ids)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::AutocommitWrite, "remove_dead_letters"))?;
+        u64::try_from(n).map_err(|_| corrupt(format!("negative count {n}")))
+    }
+
+    async fn prune_markers(&self, consumer: &str, older_than: Duration) -> Result<u64> {
+        let mut conn = self.pool.acquire().await.map_err(|e| map(e, Phase::InTransaction, "acquiring a connection"))?;
+        let done = sqlx::query(AssertSqlSafe(self.tables.sql.prune.clone()))
+            .bind(self.tables.now_param())
+            .bind(consumer)
+            .bind(millis(older_than))
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| map(e, Phase::AutocommitWrite, "prune_markers"))?;
+        Ok(done.rows_affected())
+    }
+}
+
+#[async_trait]
+impl Inbox for PgInbox {
+    type Tx = PgTx;
 
     async fn begin(&self) -> Result<PgTx> {
         let tx = self.pool.begin().await.map_err(in_tx("begin"))?;
@@ -363,10 +440,13 @@ impl Inbox for PgInbox {
         sqlx::query(AssertSqlSafe(self.tables.sql.dead_letter.clone()))
             .bind(self.tables.now_param())
             .bind(record.consumer.as_str())
-            .bind(record.event_id.as_str())
+            .bind(record.event.id.as_str())
+            .bind(record.event.destination.as_str())
+            .bind(record.event.key.as_deref())
+            .bind(encode_headers(&record.event.headers))
             .bind(record.reason.as_str())
             .bind(sanitize(&record.error))
-            .bind(record.payload.as_slice())
+            .bind(record.event.payload.as_slice())
             .execute(&mut *tx.tx)
             .await
             .map_err(in_tx("dead_letter"))?;
@@ -382,60 +462,5 @@ impl Inbox for PgInbox {
             .await
             .map_err(|e| map(e, Phase::AutocommitWrite, "record_failure"))?;
         u32::try_from(n).map_err(|_| corrupt(format!("negative failure count {n}")))
-    }
-
-    async fn markers(&self, consumer: &str) -> Result<Vec<Marker>> {
-        let rows = sqlx::query(AssertSqlSafe(self.tables.sql.markers.clone()))
-            .bind(consumer)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(in_tx("markers"))?;
-        rows.iter()
-            .map(|r| {
-                let event_id: String = get(r, "event_id")?;
-                Ok(Marker {
-                    consumer: consumer.to_owned(),
-                    event_id: EventId::new(event_id).map_err(|e| corrupt(format!("stored marker: {}", e.message())))?,
-                    fingerprint: fingerprint(&get::<Vec<u8>>(r, "fingerprint")?)?,
-                    at: Timestamp(get(r, "at")?),
-                })
-            })
-            .collect()
-    }
-
-    async fn dead_letters(&self, consumer: &str) -> Result<Vec<DeadLetter>> {
-        let rows = sqlx::query(AssertSqlSafe(self.tables.sql.dead_letters.clone()))
-            .bind(consumer)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(in_tx("dead_letters"))?;
-        rows.iter()
-            .map(|r| {
-                let event_id: String = get(r, "event_id")?;
-                let reason: String = get(r, "reason")?;
-                Ok(DeadLetter {
-                    consumer: consumer.to_owned(),
-                    event_id: EventId::new(event_id)
-                        .map_err(|e| corrupt(format!("stored dead letter: {}", e.message())))?,
-                    reason: DeadLetterReason::parse(&reason)
-                        .ok_or_else(|| corrupt(format!("unknown dead-letter reason {reason:?}")))?,
-                    error: get(r, "error")?,
-                    payload: get(r, "payload")?,
-                    at: Timestamp(get(r, "at")?),
-                })
-            })
-            .collect()
-    }
-
-    async fn prune_markers(&self, consumer: &str, older_than: Duration) -> Result<u64> {
-        let mut conn = self.pool.acquire().await.map_err(|e| map(e, Phase::InTransaction, "acquiring a connection"))?;
-        let done = sqlx::query(AssertSqlSafe(self.tables.sql.prune.clone()))
-            .bind(self.tables.now_param())
-            .bind(consumer)
-            .bind(millis(older_than))
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| map(e, Phase::AutocommitWrite, "prune_markers"))?;
-        Ok(done.rows_affected())
     }
 }

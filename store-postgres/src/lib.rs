@@ -4,10 +4,11 @@ mod config;
 mod enqueue;
 mod error;
 mod inbox;
+mod notify;
 mod store;
 mod tables;
 
-pub use config::{DEFAULT_URL, MAX_IDENTIFIER_LEN, MAX_PREFIX_LEN, PgConfig, URL_ENV, validate_identifier};
+pub use config::{MAX_IDENTIFIER_LEN, MAX_PREFIX_LEN, PgConfig, URL_ENV, validate_identifier};
 pub use enqueue::{enqueue, enqueue_one};
 pub use error::{BACKEND, is_retryable_conflict, is_unique_violation, map_commit_error, map_error, sqlstate};
 pub use inbox::{PgInbox, PgTx};

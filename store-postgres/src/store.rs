@@ -13,7 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_core::{
     Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxRecord, OutboxStats, OutboxStore,
-    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, Timestamp,
+    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, Timestamp, Wakeup,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
@@ -22,6 +22,7 @@ use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row};
 use crate::config::PgConfig;
 use crate::error::{BACKEND, Phase, map, map_commit_error};
 use crate::inbox::PgInbox;
+use crate::notify::Notifier;
 use crate::tables::{PgTables, SCHEMA_VERSION};
 use outbox_core::event::decode_headers;
 
@@ -51,11 +52,18 @@ pub(crate) fn corrupt(message: impl Into<String>) -> Error {
 /// Build it with [`connect`](PgStore::connect), [`connect_with_clock`](PgStore::connect_with_clock)
 /// or [`from_pool`](PgStore::from_pool), then call [`migrate`](PgStore::migrate) once (the crate
 /// never changes the schema on its own).
+///
+/// Its [`wakeup`](OutboxStore::wakeup) signal comes from PostgreSQL: every enqueue (through
+/// the store or [`enqueue`](crate::enqueue) in the caller's transaction, from any process) sends
+/// a `NOTIFY` on [`PgTables::notify_channel`] when its transaction commits, and the first relay
+/// that asks for the signal starts one `LISTEN` connection per store (outside the pool), kept
+/// until the store is [closed](PgStore::close) or its last clone dropped.
 #[derive(Clone)]
 pub struct PgStore {
     pool: PgPool,
     tables: Arc<PgTables>,
     config: Arc<PgConfig>,
+    notifier: Arc<Notifier>,
 }
 
 impl PgStore {
@@ -93,7 +101,8 @@ impl PgStore {
             }
         }
         let pool = config.pool_options().connect_lazy_with(options);
-        Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config) })
+        let notifier = Arc::new(Notifier::new(&tables));
+        Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config), notifier })
     }
 
     /// Connect with an injected clock (tests expire leases by advancing a
@@ -113,7 +122,8 @@ impl PgStore {
     /// [`ErrorKind::Config`] for an invalid schema or prefix.
     pub fn from_pool(pool: PgPool, config: PgConfig) -> Result<Self> {
         let tables = PgTables::new(&config)?;
-        Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config) })
+        let notifier = Arc::new(Notifier::new(&tables));
+        Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config), notifier })
     }
 
     /// The same store (same pool) deciding time by `clock` instead of the database clock.
@@ -144,8 +154,10 @@ impl PgStore {
         PgInbox::new(self.pool.clone(), self.tables.clone())
     }
 
-    /// Close the pool: waits for checked-out connections to come back.
+    /// Close the pool: waits for checked-out connections to come back. Also stops the wake-up
+    /// listener; relays still running fall back to polling (and fail on the closed pool).
     pub async fn close(&self) {
+        self.notifier.close().await;
         self.pool.close().await;
     }
 
@@ -567,6 +579,12 @@ impl OutboxStore for PgStore {
             published: count("published")?,
             oldest_pending_age: oldest.map(|o| Timestamp(now).since(Timestamp(o))),
         })
+    }
+
+    /// Starts the store's `LISTEN` task on the first call (connecting like the pool does);
+    /// `None` after [`close`](PgStore::close) or outside a tokio runtime. See [`PgStore`].
+    fn wakeup(&self) -> Option<Wakeup> {
+        self.notifier.subscribe(&self.pool.connect_options(), self.config.connect_timeout())
     }
 
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {

@@ -43,7 +43,10 @@ fn columns(alias: &str) -> String {
 
 /// The newest schema version this crate knows; [`PgStore::migrate`](crate::PgStore::migrate)
 /// refuses a database already at a newer one.
-pub const SCHEMA_VERSION: i32 = 1;
+///
+/// - 1: outbox rows and the inbox tables.
+/// - 2: consumer dead letters keep the whole event (`destination`, `key`, `headers`).
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// Generated statement texts.
 #[derive(Debug, Clone)]
@@ -73,6 +76,7 @@ pub(crate) struct Sql {
     pub(crate) record_failure: Arc<str>,
     pub(crate) markers: Arc<str>,
     pub(crate) dead_letters: Arc<str>,
+    pub(crate) remove_dead_letters: Arc<str>,
     pub(crate) prune: Arc<str>,
     pub(crate) version_table: Arc<str>,
     pub(crate) version_read: Arc<str>,
@@ -298,7 +302,20 @@ CREATE INDEX {dead_consumer} ON {dead} (consumer, id);",
             dead_pkey = n("dead_letters_pkey"),
             dead_consumer = n("dead_letters_consumer"),
         );
+        // Version 1 kept only a dead letter's event id and payload. Its records get the
+        // placeholder destination `UNKNOWN_DESTINATION` (a replay tool asks the operator where to
+        // send them), no key, and no headers ('0100000000' is `encode_headers` of none); the
+        // defaults only fill existing rows and are dropped, so every write supplies all three.
+        let v2 = format!(
+            "ALTER TABLE {dead}
+    ADD COLUMN destination text NOT NULL DEFAULT '_outbox.unknown-destination',
+    ADD COLUMN key text,
+    ADD COLUMN headers bytea NOT NULL DEFAULT decode('0100000000', 'hex');
+ALTER TABLE {dead} ALTER COLUMN destination DROP DEFAULT, ALTER COLUMN headers DROP DEFAULT;"
+        );
 
+        // Notified at commit (never on rollback) to wake relays; see `crate::notify`.
+        let channel = crate::notify::channel_name(schema, p);
         Self {
             enqueue: s(format!(
                 "WITH input AS (
@@ -312,8 +329,10 @@ CREATE INDEX {dead_consumer} ON {dead} (consumer, id);",
     WHERE NOT EXISTS (SELECT 1 FROM dup)
     ORDER BY ord
     RETURNING id, event_id
+), woke AS (
+    SELECT pg_notify('{channel}', '') FROM (SELECT 1 FROM ins LIMIT 1) AS any_row
 )
-SELECT false AS duplicate, event_id, id FROM ins
+SELECT false AS duplicate, event_id, id FROM ins LEFT JOIN woke ON true
 UNION ALL
 SELECT true AS duplicate, event_id, NULL::bigint AS id FROM dup"
             )),
@@ -339,20 +358,21 @@ SELECT * FROM u ORDER BY id"
                 "UPDATE {events} SET published_token = token, published_at = {NOW}, lease_expires_at = NULL
 WHERE {fence} RETURNING id"
             )),
+            // One owner per statement ($4), not one per row: see `PgStore::complete_many`.
             complete_many: s(format!(
                 "WITH input AS (
-    SELECT * FROM unnest($2::bigint[], $3::bigint[], $4::text[]) AS i(id, token, owner)
+    SELECT * FROM unnest($2::bigint[], $3::bigint[]) AS i(id, token)
 ), l AS (
-    SELECT t.id FROM {events} t JOIN input i ON t.id = i.id AND t.token = i.token AND t.owner = i.owner
-    WHERE t.published_at IS NULL AND t.parked_at IS NULL
+    SELECT t.id FROM {events} t JOIN input i ON t.id = i.id AND t.token = i.token
+    WHERE t.owner = $4 AND t.published_at IS NULL AND t.parked_at IS NULL
     ORDER BY t.id
     FOR UPDATE OF t
 )
 UPDATE {events} AS t SET published_token = t.token, published_at = {NOW}, lease_expires_at = NULL
 FROM input i
-WHERE t.id IN (SELECT id FROM l) AND t.id = i.id AND t.token = i.token AND t.owner = i.owner
+WHERE t.id IN (SELECT id FROM l) AND t.id = i.id AND t.token = i.token AND t.owner = $4
   AND t.published_at IS NULL AND t.parked_at IS NULL
-RETURNING t.id, t.token, t.owner"
+RETURNING t.id, t.token"
             )),
             fail: s(format!(
                 "UPDATE {events} SET attempts = attempts + 1, owner = NULL, lease_expires_at = NULL,
@@ -406,7 +426,8 @@ ON CONFLICT (consumer, event_id) DO NOTHING"
 ON CONFLICT (consumer, event_id) DO UPDATE SET state = EXCLUDED.state"
             )),
             dead_letter: s(format!(
-                "INSERT INTO {dead} (consumer, event_id, reason, error, payload, at) VALUES ($2, $3, $4, $5, $6, {NOW})"
+                "INSERT INTO {dead} (consumer, event_id, destination, key, headers, reason, error, payload, at)
+VALUES ($2, $3, $4, $5, $6, $7, $8, $9, {NOW})"
             )),
             record_failure: s(format!(
                 "INSERT INTO {failures} AS f (consumer, event_id, failures) VALUES ($1, $2, 1)
@@ -416,7 +437,16 @@ ON CONFLICT (consumer, event_id) DO UPDATE SET failures = f.failures + 1 RETURNI
                 "SELECT event_id, fingerprint, at FROM {markers} WHERE consumer = $1 ORDER BY event_id COLLATE \"C\""
             )),
             dead_letters: s(format!(
-                "SELECT event_id, reason, error, payload, at FROM {dead} WHERE consumer = $1 ORDER BY id"
+                "SELECT id, event_id, destination, key, headers, reason, error, payload, at FROM {dead}
+WHERE consumer = $1 ORDER BY id"
+            )),
+            remove_dead_letters: s(format!(
+                "WITH gone AS (
+    DELETE FROM {dead} WHERE consumer = $1 AND id = ANY($2::bigint[]) RETURNING event_id
+), cleared AS (
+    DELETE FROM {failures} WHERE consumer = $1 AND event_id IN (SELECT event_id FROM gone)
+)
+SELECT count(*) FROM gone"
             )),
             prune: s(format!("DELETE FROM {markers} WHERE consumer = $2 AND at < {NOW} - $3")),
             version_table: s(format!(
@@ -428,7 +458,7 @@ ON CONFLICT (consumer, event_id) DO UPDATE SET failures = f.failures + 1 RETURNI
             )),
             version_read: s(format!("SELECT max(version) FROM {version}")),
             version_insert_row: s(format!("INSERT INTO {version} (version) VALUES ($1)")),
-            migrations: vec![(1, s(v1))],
+            migrations: vec![(1, s(v1)), (2, s(v2))],
         }
     }
 }
@@ -439,7 +469,7 @@ mod tests {
 
     #[test]
     fn names_are_quoted_and_prefixed() {
-        let config = PgConfig::from_url(crate::DEFAULT_URL).unwrap().with_schema("s1").with_table_prefix("ob_");
+        let config = PgConfig::from_url("postgres://h/db").unwrap().with_schema("s1").with_table_prefix("ob_");
         let tables = PgTables::new(&config).unwrap();
         assert_eq!(tables.table("events").unwrap(), "\"s1\".\"ob_events\"");
         assert!(tables.table("events\" x").is_err());
@@ -447,14 +477,28 @@ mod tests {
         assert!(tables.claim_sql().contains("\"s1\".\"ob_events\""));
         assert_eq!(tables.app_table("credits").unwrap(), "\"s1\".\"credits\"");
         assert!(tables.app_table("Credits").is_err());
-        let (v, sql) = tables.migration_sql().last().unwrap();
-        assert_eq!(v, SCHEMA_VERSION);
+        let (v, sql) = tables.migration_sql().next().unwrap();
+        assert_eq!(v, 1);
         assert!(sql.contains("\"ob_events_claimable\""));
+        assert_eq!(tables.migration_sql().last().map(|(v, _)| v), Some(SCHEMA_VERSION));
+    }
+
+    #[test]
+    fn v2_fills_old_dead_letters_with_the_documented_defaults() {
+        let config = PgConfig::from_url("postgres://h/db").unwrap();
+        let tables = PgTables::new(&config).unwrap();
+        let (v, sql) = tables.migration_sql().find(|(v, _)| *v == 2).unwrap();
+        assert_eq!(v, 2);
+        // Frozen text; these are what the literals must stay equal to.
+        assert!(sql.contains(&format!("'{}'", outbox_core::inbox::UNKNOWN_DESTINATION)));
+        let none = outbox_core::event::encode_headers(&outbox_core::Headers::new());
+        let hex: String = none.iter().map(|b| format!("{b:02x}")).collect();
+        assert!(sql.contains(&format!("decode('{hex}', 'hex')")), "{hex}");
     }
 
     #[test]
     fn every_named_object_is_listed_in_the_suffixes() {
-        let config = PgConfig::from_url(crate::DEFAULT_URL).unwrap().with_table_prefix("zz_");
+        let config = PgConfig::from_url("postgres://h/db").unwrap().with_table_prefix("zz_");
         let tables = PgTables::new(&config).unwrap();
         let all: String =
             tables.migration_sql().map(|(_, s)| s.to_string()).collect::<String>() + &tables.sql.version_table;

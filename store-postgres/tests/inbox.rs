@@ -4,13 +4,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{TestDb, arc_clock, event};
+use common::{TestDb, arc_clock, base_config, event, pg_available, unique_schema};
+use outbox_core::inbox::UNKNOWN_DESTINATION;
 use outbox_core::{
-    DeadLetter, DeadLetterReason, Event, EventId, Inbox, LedgerState, ManualClock, MarkOutcome, Timestamp,
-    VersionOutcome,
+    DeadLetter, DeadLetterReason, Event, EventId, Headers, Inbox, InboxAdmin, LedgerState, ManualClock, MarkOutcome,
+    Timestamp, VersionOutcome,
 };
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe};
-use outbox_store_postgres::{PgInbox, PgTx};
+use outbox_store_postgres::{PgInbox, PgStore, PgTx, SCHEMA_VERSION};
 
 const CONSUMER: &str = "billing";
 
@@ -224,15 +225,9 @@ async fn ledger_dead_letters_failures_and_pruning() {
     assert_eq!(inbox.ledger(CONSUMER, &id).await.unwrap(), LedgerState::Attempted);
     assert_eq!(inbox.ledger(CONSUMER, &EventId::new("other").unwrap()).await.unwrap(), LedgerState::Fresh);
 
-    // Dead letters are written in the transaction, stamped with the store clock.
-    let record = DeadLetter {
-        consumer: CONSUMER.into(),
-        event_id: id.clone(),
-        reason: DeadLetterReason::Conflict,
-        error: "payload differs".into(),
-        payload: vec![0, 159, 146, 150],
-        at: Timestamp::default(),
-    };
+    // Dead letters are written in the transaction, stamped with the store clock, and keep the
+    // whole event.
+    let record = letter("n-1", DeadLetterReason::Conflict);
     let mut tx = inbox.begin().await.unwrap();
     inbox.dead_letter(&mut tx, &record).await.unwrap();
     drop(tx);
@@ -243,8 +238,10 @@ async fn ledger_dead_letters_failures_and_pruning() {
     inbox.commit(tx).await.unwrap();
     let dead = inbox.dead_letters(CONSUMER).await.unwrap();
     assert_eq!(dead.len(), 2);
-    assert_eq!(dead[0], DeadLetter { at: outbox_core::Clock::now(&clock), ..record.clone() });
+    assert!(dead[0].id > 0 && dead[1].id > dead[0].id, "store-assigned ids in write order: {dead:?}");
+    assert_eq!(dead[0], DeadLetter { id: dead[0].id, at: outbox_core::Clock::now(&clock), ..record.clone() });
     assert_eq!(dead[1].reason, DeadLetterReason::Uncertain);
+    assert_eq!(dead[1].event, record.event, "destination, key, headers and payload byte-for-byte");
 
     // Failure counts are durable and per key.
     assert_eq!(inbox.record_failure(CONSUMER, &id).await.unwrap(), 1);
@@ -271,4 +268,136 @@ async fn ledger_dead_letters_failures_and_pruning() {
     assert_eq!(inbox.prune_markers(CONSUMER, Duration::from_secs(3600)).await.unwrap(), 1);
     let left: Vec<String> = inbox.markers(CONSUMER).await.unwrap().iter().map(|m| m.event_id.to_string()).collect();
     assert_eq!(left, ["young"]);
+}
+
+/// A dead letter whose event has a key, binary header values and a binary payload.
+fn letter(event_id: &str, reason: DeadLetterReason) -> DeadLetter {
+    let e = event(event_id, &[0, 159, 146, 150, 0, 0xff])
+        .with_key(format!("key of {event_id} ünï"))
+        .with_header("bin", vec![0u8, 0xff, 0])
+        .with_header("empty", Vec::new());
+    DeadLetter::new(CONSUMER, e, reason, format!("{event_id} failed"))
+}
+
+#[tokio::test]
+async fn removing_dead_letters_takes_only_the_consumers_ids_and_resets_their_failure_counts() {
+    let Some(db) = TestDb::new("rmdead").await else { return };
+    let inbox = db.store.inbox();
+    let mut tx = inbox.begin().await.unwrap();
+    for e in ["r-1", "r-2", "r-3"] {
+        inbox.dead_letter(&mut tx, &letter(e, DeadLetterReason::HandlerFailed)).await.unwrap();
+    }
+    let other = DeadLetter { consumer: "other".into(), ..letter("r-1", DeadLetterReason::HandlerFailed) };
+    inbox.dead_letter(&mut tx, &other).await.unwrap();
+    inbox.commit(tx).await.unwrap();
+    let eid = |e: &str| EventId::new(e).unwrap();
+    for e in ["r-1", "r-2", "r-3"] {
+        inbox.record_failure(CONSUMER, &eid(e)).await.unwrap();
+    }
+    inbox.record_failure("other", &eid("r-1")).await.unwrap();
+    let ours = inbox.dead_letters(CONSUMER).await.unwrap();
+    let theirs = inbox.dead_letters("other").await.unwrap();
+    assert_eq!((ours.len(), theirs.len()), (3, 1));
+
+    assert_eq!(inbox.remove_dead_letters(CONSUMER, &[]).await.unwrap(), 0);
+    let asked = [ours[0].id, ours[2].id, theirs[0].id, theirs[0].id + 100];
+    assert_eq!(inbox.remove_dead_letters(CONSUMER, &asked).await.unwrap(), 2);
+    assert_eq!(inbox.dead_letters(CONSUMER).await.unwrap(), [ours[1].clone()]);
+    assert_eq!(inbox.dead_letters("other").await.unwrap(), theirs);
+    assert_eq!(inbox.remove_dead_letters(CONSUMER, &asked).await.unwrap(), 0, "already gone");
+
+    let counts = (
+        inbox.failures(CONSUMER, &eid("r-1")).await.unwrap(),
+        inbox.failures(CONSUMER, &eid("r-2")).await.unwrap(),
+        inbox.failures(CONSUMER, &eid("r-3")).await.unwrap(),
+    );
+    assert_eq!(counts, (0, 1, 0));
+    assert_eq!(inbox.failures("other", &eid("r-1")).await.unwrap(), 1, "the other consumer's count stays");
+    assert_eq!(inbox.record_failure(CONSUMER, &eid("r-1")).await.unwrap(), 1, "counts from 1 again");
+}
+
+#[tokio::test]
+async fn a_version_1_schema_migrates_and_keeps_its_dead_letters() {
+    if !pg_available() {
+        return;
+    }
+    assert_eq!(SCHEMA_VERSION, 2);
+    let schema = unique_schema("migv1");
+    let config = base_config().with_application_name(schema.clone()).with_schema(schema);
+    // Not migrated; the guard drops the schema at the end, also on panic.
+    let db = TestDb { store: PgStore::connect(config.clone()).await.unwrap(), config: config.clone() };
+    let store = &db.store;
+    assert_eq!(store.schema_version().await.unwrap(), None);
+
+    // The schema as version 1 left it, with a dead letter and its failure count in it.
+    let tables = store.tables();
+    let (version, v1) = tables.migration_sql().next().unwrap();
+    assert_eq!(version, 1);
+    let versions = tables.table("schema_version").unwrap();
+    let dead = tables.table("dead_letters").unwrap();
+    let failures = tables.table("inbox_failures").unwrap();
+    let setup = format!(
+        "CREATE SCHEMA \"{}\";
+{v1}
+CREATE TABLE {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now());
+INSERT INTO {versions} (version) VALUES (1);
+INSERT INTO {dead} (consumer, event_id, reason, error, payload, at)
+    VALUES ('billing', 'old-1', 'handler_failed', 'handler failed 5 times', '\\x00ff0a00', 1234);
+INSERT INTO {failures} (consumer, event_id, failures) VALUES ('billing', 'old-1', 5);",
+        config.schema()
+    );
+    sqlx::raw_sql(AssertSqlSafe(setup)).execute(store.pool()).await.unwrap();
+    assert_eq!(store.schema_version().await.unwrap(), Some(1));
+
+    assert_eq!(store.migrate().await.unwrap(), 2);
+    assert_eq!(store.schema_version().await.unwrap(), Some(2));
+    let applied: Vec<i32> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT version FROM {versions} ORDER BY 1")))
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(applied, [1, 2]);
+
+    // The old record reads back: what version 1 kept, byte-for-byte, and the documented
+    // defaults for what it did not.
+    let inbox = store.inbox();
+    let old = inbox.dead_letters(CONSUMER).await.unwrap();
+    assert_eq!(old.len(), 1);
+    let d = &old[0];
+    assert_eq!(
+        (d.event.id.as_str(), d.reason, d.error.as_str()),
+        ("old-1", DeadLetterReason::HandlerFailed, "handler failed 5 times")
+    );
+    assert_eq!(d.event.payload, [0x00, 0xff, 0x0a, 0x00]);
+    assert_eq!(d.at, Timestamp(1234));
+    assert_eq!(d.event.destination.as_str(), UNKNOWN_DESTINATION);
+    assert!(!d.destination_known());
+    assert_eq!((d.event.key.as_ref(), &d.event.headers), (None, &Headers::new()));
+
+    // The defaults were only for existing rows: a write must supply the columns.
+    let no_default: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.columns
+         WHERE table_schema = $1 AND table_name = 'outbox_dead_letters'
+           AND column_name IN ('destination', 'key', 'headers') AND column_default IS NULL",
+    )
+    .bind(config.schema())
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(no_default, 3);
+
+    // New records keep everything; removing the old one clears its failure count.
+    let mut tx = inbox.begin().await.unwrap();
+    inbox.dead_letter(&mut tx, &letter("new-1", DeadLetterReason::Conflict)).await.unwrap();
+    inbox.commit(tx).await.unwrap();
+    let all = inbox.dead_letters(CONSUMER).await.unwrap();
+    assert_eq!(all.len(), 2);
+    assert!(all[1].id > d.id);
+    assert_eq!(all[1].event, letter("new-1", DeadLetterReason::Conflict).event);
+    assert_eq!(inbox.failures(CONSUMER, &EventId::new("old-1").unwrap()).await.unwrap(), 5);
+    assert_eq!(inbox.remove_dead_letters(CONSUMER, &[d.id]).await.unwrap(), 1);
+    assert_eq!(inbox.failures(CONSUMER, &EventId::new("old-1").unwrap()).await.unwrap(), 0);
+
+    // Migrating again applies nothing.
+    assert_eq!(store.migrate().await.unwrap(), 2);
+    assert_eq!(inbox.dead_letters(CONSUMER).await.unwrap(), [all[1].clone()]);
 }

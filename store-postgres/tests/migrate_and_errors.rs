@@ -5,7 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{TestDb, base_config, drop_schema, event, pg_available, unique_schema};
-use outbox_core::{ErrorKind, Inbox, OutboxStore, Retry};
+use outbox_core::{ErrorKind, Inbox, InboxAdmin, OutboxStore, Retry};
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe};
 use outbox_store_postgres::{MAX_PREFIX_LEN, PgConfig, PgStore, SCHEMA_VERSION, is_unique_violation, map_error};
 
@@ -17,7 +17,7 @@ async fn migrations_are_idempotent_and_refuse_a_newer_schema() {
     assert_eq!(db.store.migrate().await.unwrap(), SCHEMA_VERSION);
     assert_eq!(db.store.migrate().await.unwrap(), SCHEMA_VERSION);
     let versions = tables.table("schema_version").unwrap();
-    assert_eq!(db.count(format!("SELECT count(*) FROM {versions}")).await, 1);
+    assert_eq!(db.count(format!("SELECT count(*) FROM {versions}")).await, i64::from(SCHEMA_VERSION));
 
     // Every table and the partial index exist where the config says.
     let names: Vec<String> = sqlx::query_scalar(
@@ -60,7 +60,7 @@ async fn migrations_are_idempotent_and_refuse_a_newer_schema() {
     let err = db.store.migrate().await.unwrap_err();
     assert_eq!((err.kind(), err.retry()), (ErrorKind::Corrupt, Retry::Permanent));
     assert!(err.message().contains("newer"), "{err}");
-    assert_eq!(db.count(format!("SELECT count(*) FROM {versions}")).await, 2);
+    assert_eq!(db.count(format!("SELECT count(*) FROM {versions}")).await, i64::from(SCHEMA_VERSION) + 1);
 }
 
 #[tokio::test]
@@ -189,8 +189,7 @@ async fn tls_connection_with_sslmode_require() {
     if !pg_available() {
         return;
     }
-    let url = std::env::var(outbox_store_postgres::URL_ENV)
-        .unwrap_or_else(|_| outbox_store_postgres::DEFAULT_URL.to_string());
+    let url = outbox_conformance_tests::pg_url();
     let sep = if url.contains('?') { '&' } else { '?' };
     let config = PgConfig::from_url(&format!("{url}{sep}sslmode=require")).unwrap();
     let store = match PgStore::connect(config).await {

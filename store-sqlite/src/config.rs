@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
+use outbox_core::config::{ConnectionUrl, UrlSpec, encode_path, env_url};
 use outbox_core::event::DEFAULT_MAX_PAYLOAD;
 use outbox_core::{Error, Result};
 use rusqlite::{Connection, OpenFlags};
@@ -17,6 +18,9 @@ use crate::error::{BACKEND, ResultExt};
 
 /// Environment variable read by [`SqliteConfig::from_env`].
 pub const ENV_URL: &str = "OUTBOX_SQLITE_URL";
+
+/// The URLs [`SqliteConfig::from_url`] accepts: a scheme and a path, no host.
+const URL_SPEC: UrlSpec = UrlSpec::new(BACKEND, &["sqlite"]).path_only();
 
 /// Default [`SqliteConfig::busy_timeout`]: how long a connection waits for another writer.
 pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -67,7 +71,7 @@ impl FromStr for Synchronous {
         match s.to_ascii_lowercase().as_str() {
             "full" => Ok(Self::Full),
             "normal" => Ok(Self::Normal),
-            _ => Err(Error::config(BACKEND, format!("synchronous={s:?}: expected `full` or `normal`"))),
+            _ => Err(Error::config(BACKEND, format!("expected `full` or `normal` for synchronous, not {s:?}"))),
         }
     }
 }
@@ -81,24 +85,25 @@ impl fmt::Display for Synchronous {
 /// Settings of a [`SqliteStore`](crate::SqliteStore).
 ///
 /// Parses from a URL such as
-/// `sqlite:///var/lib/app/outbox.db?synchronous=normal&busy_timeout_ms=5000&pool_size=4&max_payload=1048576`
+/// `sqlite:///var/lib/app/outbox.db?outbox_synchronous=normal&outbox_busy_timeout_ms=5000&outbox_pool_size=4&outbox_max_payload=1048576`
 /// (`sqlite:///abs/path` is absolute, `sqlite:rel/path` or `sqlite://rel/path` relative; the
-/// path is percent-decoded; every query parameter is optional and unknown ones are rejected).
-/// SQLite URLs carry no credentials, so `Debug` and `Display` have nothing to redact.
+/// path is percent-decoded; every query parameter is optional, and any other parameter is
+/// rejected with the list of known ones). SQLite URLs carry no credentials, so `Debug` and
+/// `Display` have nothing to redact.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SqliteConfig {
     /// The database file. Created if absent; its directory must exist.
     pub path: PathBuf,
-    /// Durability of commits (URL `synchronous=full|normal`); [`Synchronous::Full`] by default.
+    /// Durability of commits (URL `outbox_synchronous=full|normal`); [`Synchronous::Full`] by default.
     pub synchronous: Synchronous,
     /// How long a statement waits for another connection's write lock before failing with
-    /// [`ErrorKind::Busy`](outbox_core::ErrorKind::Busy) (URL `busy_timeout_ms`); 5 s by default.
+    /// [`ErrorKind::Busy`](outbox_core::ErrorKind::Busy) (URL `outbox_busy_timeout_ms`); 5 s by default.
     pub busy_timeout: Duration,
     /// Connections the store keeps, and so the number of its calls that run at once (URL
-    /// `pool_size`); 4 by default. SQLite has one writer at a time; more connections help readers
+    /// `outbox_pool_size`); 4 by default. SQLite has one writer at a time; more connections help readers
     /// and let one consumer transaction stay open while relays wait for the lock.
     pub pool_size: usize,
-    /// Largest accepted payload in bytes (URL `max_payload`); 1 MiB by default.
+    /// Largest accepted payload in bytes (URL `outbox_max_payload`); 1 MiB by default.
     pub max_payload: usize,
 }
 
@@ -154,48 +159,32 @@ impl SqliteConfig {
     /// a bad or unknown parameter, or an in-memory database (relays and consumers must share a
     /// file).
     pub fn from_url(url: &str) -> Result<Self> {
-        let bad = |why: &str| Error::config(BACKEND, format!("bad SQLite URL {url:?}: {why}"));
-        let rest = match url.split_once(':') {
-            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("sqlite") => rest,
-            _ => return Err(bad("expected the scheme `sqlite:`")),
-        };
-        let rest = rest.strip_prefix("//").unwrap_or(rest);
-        if rest.contains('#') {
-            return Err(bad("a `#` must be written `%23`"));
+        let mut url = ConnectionUrl::parse(&URL_SPEC, url)?;
+        if url.fragment().is_some() {
+            return Err(url.error("a `#` in the path must be written `%23`"));
         }
-        let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
-        if path.is_empty() {
-            return Err(bad("the path is empty"));
+        let raw_path = url.raw_path();
+        if raw_path.is_empty() {
+            return Err(url.error("the path is empty"));
         }
-        if path == ":memory:" || path.starts_with("file::memory:") {
-            return Err(bad("in-memory databases are not supported; relays and consumers need a shared file"));
+        if raw_path == ":memory:" || raw_path.starts_with("file::memory:") {
+            return Err(url.error("in-memory databases are not supported; relays and consumers need a shared file"));
         }
-        let path = String::from_utf8(percent_decode(path).map_err(|e| bad(&e))?)
-            .map_err(|_| bad("the decoded path is not UTF-8"))?;
-        let mut config = Self::new(path);
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let value = String::from_utf8(percent_decode(value).map_err(|e| bad(&e))?)
-                .map_err(|_| bad("a parameter value is not UTF-8"))?;
-            let number = |what: &str| -> Result<u64> {
-                value.parse::<u64>().map_err(|_| bad(&format!("{what}={value:?} is not a whole number")))
-            };
-            match name {
-                "synchronous" => config.synchronous = value.parse()?,
-                "busy_timeout_ms" => config.busy_timeout = Duration::from_millis(number(name)?),
-                "pool_size" => {
-                    config.pool_size = usize::try_from(number(name)?).map_err(|_| bad("pool_size is too large"))?;
-                }
-                "max_payload" => {
-                    config.max_payload = usize::try_from(number(name)?).map_err(|_| bad("max_payload is too large"))?;
-                }
-                other => {
-                    return Err(bad(&format!(
-                        "unknown parameter {other:?} (known: synchronous, busy_timeout_ms, pool_size, max_payload)"
-                    )));
-                }
-            }
+        let mut config = Self::new(url.path());
+        if let Some(synchronous) = url.outbox_parse("outbox_synchronous")? {
+            config.synchronous = synchronous;
         }
+        if let Some(timeout) = url.outbox_duration_ms("outbox_busy_timeout_ms")? {
+            config.busy_timeout = timeout;
+        }
+        if let Some(size) = url.outbox_usize("outbox_pool_size")? {
+            config.pool_size = size;
+        }
+        if let Some(bytes) = url.outbox_usize("outbox_max_payload")? {
+            config.max_payload = bytes;
+        }
+        url.reject_driver_params()?;
+        url.finish()?;
         config.validate()?;
         Ok(config)
     }
@@ -203,12 +192,10 @@ impl SqliteConfig {
     /// Read the URL from the environment variable [`ENV_URL`] (`OUTBOX_SQLITE_URL`).
     ///
     /// # Errors
-    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when the variable is unset, not
-    /// Unicode, or not a valid URL.
+    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when the variable is unset, blank,
+    /// not Unicode, or not a valid URL.
     pub fn from_env() -> Result<Self> {
-        let url = std::env::var(ENV_URL)
-            .map_err(|e| Error::config(BACKEND, format!("environment variable {ENV_URL}: {e}")))?;
-        Self::from_url(&url)
+        Self::from_url(&env_url(ENV_URL, BACKEND)?)
     }
 
     /// Check the values that SQLite or the pool cannot take.
@@ -278,8 +265,7 @@ impl FromStr for SqliteConfig {
 impl fmt::Display for SqliteConfig {
     /// The URL form; [`SqliteConfig::from_url`] parses it back.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let path = self.path.to_string_lossy();
-        let encoded = percent_encode_path(&path);
+        let encoded = encode_path(&self.path.to_string_lossy());
         if self.path.is_absolute() {
             write!(f, "sqlite://{encoded}")?;
         } else {
@@ -287,43 +273,13 @@ impl fmt::Display for SqliteConfig {
         }
         write!(
             f,
-            "?synchronous={}&busy_timeout_ms={}&pool_size={}&max_payload={}",
+            "?outbox_synchronous={}&outbox_busy_timeout_ms={}&outbox_pool_size={}&outbox_max_payload={}",
             self.synchronous,
             self.busy_timeout.as_millis(),
             self.pool_size,
             self.max_payload
         )
     }
-}
-
-fn percent_encode_path(path: &str) -> String {
-    let mut out = String::with_capacity(path.len());
-    for b in path.bytes() {
-        if b.is_ascii_alphanumeric() || b"/._-~+,=:@".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-fn percent_decode(s: &str) -> std::result::Result<Vec<u8>, String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s.get(i + 1..i + 3).ok_or_else(|| format!("incomplete percent escape at byte {i}"))?;
-            let byte = u8::from_str_radix(hex, 16).map_err(|_| format!("bad percent escape %{hex}"))?;
-            out.push(byte);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -334,7 +290,8 @@ mod tests {
     #[test]
     fn parses_absolute_url_with_parameters() {
         let c = SqliteConfig::from_url(
-            "sqlite:///tmp/a%20b.db?synchronous=normal&busy_timeout_ms=250&pool_size=8&max_payload=10",
+            "sqlite:///tmp/a%20b.db?outbox_synchronous=normal&outbox_busy_timeout_ms=250&outbox_pool_size=8\
+             &outbox_max_payload=10",
         )
         .unwrap();
         assert_eq!(c.path, PathBuf::from("/tmp/a b.db"));
@@ -361,15 +318,45 @@ mod tests {
             "postgres://x/y",
             "sqlite://",
             "sqlite::memory:",
-            "sqlite:///x.db?synchronous=off",
-            "sqlite:///x.db?pool_size=0",
-            "sqlite:///x.db?busy_timeout_ms=-1",
+            "sqlite:///x.db?outbox_synchronous=off",
+            "sqlite:///x.db?outbox_pool_size=0",
+            "sqlite:///x.db?outbox_pool_size=many",
+            "sqlite:///x.db?outbox_busy_timeout_ms=-1",
+            "sqlite:///x.db?outbox_busy_timeout_ms=2147483648",
             "sqlite:///x.db?colour=blue",
+            "sqlite:///x.db?outbox_colour=blue",
+            "sqlite:///x.db?synchronous=normal",
             "sqlite:///x%zz.db",
             "sqlite:///x.db#frag",
         ] {
             let err = SqliteConfig::from_url(bad).unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Config, "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn errors_name_the_parameter_and_the_known_ones() {
+        let err = SqliteConfig::from_url("sqlite:///x.db?busy_timeout_ms=10").unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("sqlite: "), "{text}");
+        assert!(text.contains("\"busy_timeout_ms\""), "{text}");
+        assert!(
+            text.contains("outbox_busy_timeout_ms, outbox_max_payload, outbox_pool_size, outbox_synchronous"),
+            "{text}"
+        );
+        let err = SqliteConfig::from_url("sqlite:///x.db?outbox_synchronous=off").unwrap_err();
+        assert!(err.to_string().contains("outbox_synchronous=\"off\""), "{err}");
+        assert!(err.to_string().contains("`full` or `normal`"), "{err}");
+        let err = SqliteConfig::from_url("sqlite:///x.db?outbox_pool_size=many").unwrap_err();
+        assert!(err.to_string().contains("outbox_pool_size=\"many\": expected a whole number"), "{err}");
+    }
+
+    #[test]
+    fn display_round_trips_odd_paths() {
+        for path in ["/tmp/with space/ü%#?&=.db", "rel/a+b.db"] {
+            let c = SqliteConfig::new(path).with_pool_size(2);
+            let back = SqliteConfig::from_url(&c.to_string()).unwrap_or_else(|e| panic!("{c}: {e}"));
+            assert_eq!(back, c);
         }
     }
 }

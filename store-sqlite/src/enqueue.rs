@@ -15,9 +15,11 @@ use outbox_core::event::encode_headers;
 /// Enqueue `events` in the caller's transaction `tx`, stamped with the system clock and checked
 /// against [`DEFAULT_MAX_PAYLOAD`].
 ///
-/// The rows become visible to relays when `tx` commits, and vanish if it rolls back. To use a
-/// store's configured clock and payload limit (tests with a `ManualClock`, a non-default
-/// `max_payload`), call [`SqliteStore::enqueue_in`](crate::SqliteStore::enqueue_in) instead.
+/// The rows become visible to relays when `tx` commits, and vanish if it rolls back. This
+/// function knows no store, so it wakes no relay: relays find the rows at their next poll. To
+/// wake the relays of a store in this process at once, and to use its configured clock and
+/// payload limit (tests with a `ManualClock`, a non-default `max_payload`), call
+/// [`SqliteStore::enqueue_in`](crate::SqliteStore::enqueue_in) instead.
 /// Open the connection with [`SqliteConfig::open_connection`](crate::SqliteConfig::open_connection)
 /// and start `tx` with `TransactionBehavior::Immediate` so it does not fail half-way on a lock.
 ///
@@ -33,7 +35,8 @@ pub fn enqueue(tx: &Transaction<'_>, events: &[Event]) -> Result<Vec<RowId>> {
     insert_events(tx, events, SystemClock.now(), DEFAULT_MAX_PAYLOAD)
 }
 
-/// [`enqueue`] for one event.
+/// [`enqueue`] for one event; it wakes no relay either (see
+/// [`SqliteStore::enqueue_one_in`](crate::SqliteStore::enqueue_one_in)).
 ///
 /// # Errors
 /// As [`enqueue`].

@@ -12,9 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_core::event::{decode_headers, encode_headers};
 use outbox_core::{
-    DeadLetter, DeadLetterReason, Error, ErrorKind, EventId, Fingerprint, Inbox, LedgerState, MarkOutcome, Marker,
-    Result, SharedClock, Timestamp, VersionOutcome,
+    DeadLetter, DeadLetterReason, Destination, Error, ErrorKind, Event, EventId, Fingerprint, Inbox, InboxAdmin,
+    LedgerState, MarkOutcome, Marker, Result, SharedClock, Timestamp, VersionOutcome,
 };
 use rusqlite::{Connection, OptionalExtension};
 
@@ -145,13 +146,164 @@ fn fingerprint(consumer: &str, event_id: &str, bytes: Vec<u8>) -> Result<Fingerp
     Ok(Fingerprint(arr))
 }
 
-#[async_trait]
-impl Inbox for SqliteStore {
-    type Tx = SqliteTx;
+/// A dead letter as SQLite returns it.
+struct RawDeadLetter {
+    id: i64,
+    event_id: String,
+    destination: String,
+    key: Option<String>,
+    headers: Vec<u8>,
+    reason: String,
+    error: String,
+    payload: Vec<u8>,
+    at: i64,
+}
 
+impl RawDeadLetter {
+    fn decode(self, consumer: &str) -> Result<DeadLetter> {
+        let (c, id) = (consumer, self.id);
+        let bad = |what: &str, e: Error| corrupt(format!("dead letter {id} of {c}: {what}: {}", e.message()));
+        let event_id = EventId::new(self.event_id).map_err(|e| bad("event id", e))?;
+        let destination = Destination::new(self.destination).map_err(|e| bad("destination", e))?;
+        let headers = decode_headers(&self.headers, BACKEND).map_err(|e| bad("headers", e))?;
+        let reason = DeadLetterReason::parse(&self.reason)
+            .ok_or_else(|| corrupt(format!("dead letter {id} of {c}: unknown reason {:?}", self.reason)))?;
+        Ok(DeadLetter {
+            id,
+            consumer: consumer.to_string(),
+            event: Event { id: event_id, destination, key: self.key, headers, payload: self.payload },
+            reason,
+            error: self.error,
+            at: Timestamp(self.at),
+        })
+    }
+}
+
+#[async_trait]
+impl InboxAdmin for SqliteStore {
     fn backend(&self) -> &'static str {
         BACKEND
     }
+
+    async fn markers(&self, consumer: &str) -> Result<Vec<Marker>> {
+        let c = consumer.to_string();
+        let what = "read inbox markers";
+        self.pool()
+            .run(move |conn| {
+                let mut stmt = conn
+                    .prepare_cached(
+                        "SELECT event_id, fingerprint, at FROM outbox_inbox_markers WHERE consumer = ?1 ORDER BY event_id",
+                    )
+                    .ctx(what)?;
+                let raw = stmt
+                    .query_map([&c], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?, r.get::<_, i64>(2)?)))
+                    .ctx(what)?
+                    .collect::<rusqlite::Result<Vec<_>>>()
+                    .ctx(what)?;
+                raw.into_iter()
+                    .map(|(id, fp, at)| {
+                        let fingerprint = fingerprint(&c, &id, fp)?;
+                        let event_id = EventId::new(id.clone())
+                            .map_err(|e| corrupt(format!("inbox marker ({c}, {id}): {}", e.message())))?;
+                        Ok(Marker { consumer: c.clone(), event_id, fingerprint, at: Timestamp(at) })
+                    })
+                    .collect()
+            })
+            .await
+    }
+
+    async fn dead_letters(&self, consumer: &str) -> Result<Vec<DeadLetter>> {
+        let c = consumer.to_string();
+        let what = "read dead letters";
+        self.pool()
+            .run(move |conn| {
+                let mut stmt = conn
+                    .prepare_cached(
+                        "SELECT id, event_id, destination, event_key, headers, reason, error, payload, at
+                         FROM outbox_inbox_dead_letters WHERE consumer = ?1 ORDER BY id",
+                    )
+                    .ctx(what)?;
+                let raw = stmt
+                    .query_map([&c], |r| {
+                        Ok(RawDeadLetter {
+                            id: r.get(0)?,
+                            event_id: r.get(1)?,
+                            destination: r.get(2)?,
+                            key: r.get(3)?,
+                            headers: r.get(4)?,
+                            reason: r.get(5)?,
+                            error: r.get(6)?,
+                            payload: r.get(7)?,
+                            at: r.get(8)?,
+                        })
+                    })
+                    .ctx(what)?
+                    .collect::<rusqlite::Result<Vec<_>>>()
+                    .ctx(what)?;
+                raw.into_iter().map(|d| d.decode(&c)).collect()
+            })
+            .await
+    }
+
+    async fn remove_dead_letters(&self, consumer: &str, ids: &[i64]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let (c, ids) = (consumer.to_string(), ids.to_vec());
+        let what = "remove dead letters";
+        self.pool()
+            .run(move |conn| {
+                write_tx(conn, what, |tx| {
+                    let mut delete = tx
+                        .prepare_cached(
+                            "DELETE FROM outbox_inbox_dead_letters WHERE consumer = ?1 AND id = ?2 RETURNING event_id",
+                        )
+                        .ctx(what)?;
+                    let mut removed = Vec::new();
+                    for id in &ids {
+                        if let Some(event_id) =
+                            delete.query_row((&c, id), |r| r.get::<_, String>(0)).optional().ctx(what)?
+                        {
+                            removed.push(event_id);
+                        }
+                    }
+                    let mut clear = tx
+                        .prepare_cached("DELETE FROM outbox_inbox_failures WHERE consumer = ?1 AND event_id = ?2")
+                        .ctx(what)?;
+                    for event_id in &removed {
+                        clear.execute((&c, event_id)).ctx(what)?;
+                    }
+                    Ok(removed.len() as u64)
+                })
+            })
+            .await
+    }
+
+    async fn prune_markers(&self, consumer: &str, older_than: Duration) -> Result<u64> {
+        let c = consumer.to_string();
+        let older = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        let clock: SharedClock = Arc::clone(self.clock());
+        let what = "prune inbox markers";
+        self.pool()
+            .run(move |conn| {
+                write_tx(conn, what, |tx| {
+                    // Same rule as the reference: delete when `now - at > older_than`.
+                    let cutoff = clock.now().0.saturating_sub(older);
+                    let n = tx
+                        .prepare_cached("DELETE FROM outbox_inbox_markers WHERE consumer = ?1 AND at < ?2")
+                        .ctx(what)?
+                        .execute((&c, cutoff))
+                        .ctx(what)?;
+                    Ok(n as u64)
+                })
+            })
+            .await
+    }
+}
+
+#[async_trait]
+impl Inbox for SqliteStore {
+    type Tx = SqliteTx;
 
     async fn begin(&self) -> Result<SqliteTx> {
         let mut checkout = self.pool().checkout().await?;
@@ -335,11 +487,22 @@ impl Inbox for SqliteStore {
         let id = tx
             .run_with(move |conn| {
                 conn.prepare_cached(
-                    "INSERT INTO outbox_inbox_dead_letters (consumer, event_id, reason, error, payload, at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    "INSERT INTO outbox_inbox_dead_letters
+                         (consumer, event_id, destination, event_key, headers, reason, error, payload, at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
                 )
                 .ctx(what)?
-                .execute((&r.consumer, r.event_id.as_str(), r.reason.as_str(), &r.error, &r.payload, clock.now().0))
+                .execute((
+                    &r.consumer,
+                    r.event.id.as_str(),
+                    r.event.destination.as_str(),
+                    r.event.key.as_deref(),
+                    encode_headers(&r.event.headers),
+                    r.reason.as_str(),
+                    &r.error,
+                    &r.event.payload,
+                    clock.now().0,
+                ))
                 .ctx(what)?;
                 Ok(conn.last_insert_rowid())
             })
@@ -365,91 +528,6 @@ impl Inbox for SqliteStore {
                         .query_row((&c, &id, clock.now().0), |r| r.get(0))
                         .ctx(what)?;
                     u32::try_from(n).map_err(|_| corrupt(format!("failure count ({c}, {id}) is {n}")))
-                })
-            })
-            .await
-    }
-
-    async fn markers(&self, consumer: &str) -> Result<Vec<Marker>> {
-        let c = consumer.to_string();
-        let what = "read inbox markers";
-        self.pool()
-            .run(move |conn| {
-                let mut stmt = conn
-                    .prepare_cached(
-                        "SELECT event_id, fingerprint, at FROM outbox_inbox_markers WHERE consumer = ?1 ORDER BY event_id",
-                    )
-                    .ctx(what)?;
-                let raw = stmt
-                    .query_map([&c], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?, r.get::<_, i64>(2)?)))
-                    .ctx(what)?
-                    .collect::<rusqlite::Result<Vec<_>>>()
-                    .ctx(what)?;
-                raw.into_iter()
-                    .map(|(id, fp, at)| {
-                        let fingerprint = fingerprint(&c, &id, fp)?;
-                        let event_id = EventId::new(id.clone())
-                            .map_err(|e| corrupt(format!("inbox marker ({c}, {id}): {}", e.message())))?;
-                        Ok(Marker { consumer: c.clone(), event_id, fingerprint, at: Timestamp(at) })
-                    })
-                    .collect()
-            })
-            .await
-    }
-
-    async fn dead_letters(&self, consumer: &str) -> Result<Vec<DeadLetter>> {
-        let c = consumer.to_string();
-        let what = "read dead letters";
-        self.pool()
-            .run(move |conn| {
-                let mut stmt = conn
-                    .prepare_cached(
-                        "SELECT event_id, reason, error, payload, at FROM outbox_inbox_dead_letters
-                         WHERE consumer = ?1 ORDER BY id",
-                    )
-                    .ctx(what)?;
-                let raw = stmt
-                    .query_map([&c], |r| {
-                        Ok((
-                            r.get::<_, String>(0)?,
-                            r.get::<_, String>(1)?,
-                            r.get::<_, String>(2)?,
-                            r.get::<_, Vec<u8>>(3)?,
-                            r.get::<_, i64>(4)?,
-                        ))
-                    })
-                    .ctx(what)?
-                    .collect::<rusqlite::Result<Vec<_>>>()
-                    .ctx(what)?;
-                raw.into_iter()
-                    .map(|(id, reason, error, payload, at)| {
-                        let event_id = EventId::new(id.clone())
-                            .map_err(|e| corrupt(format!("dead letter ({c}, {id}): {}", e.message())))?;
-                        let reason = DeadLetterReason::parse(&reason)
-                            .ok_or_else(|| corrupt(format!("dead letter ({c}, {id}): unknown reason {reason:?}")))?;
-                        Ok(DeadLetter { consumer: c.clone(), event_id, reason, error, payload, at: Timestamp(at) })
-                    })
-                    .collect()
-            })
-            .await
-    }
-
-    async fn prune_markers(&self, consumer: &str, older_than: Duration) -> Result<u64> {
-        let c = consumer.to_string();
-        let older = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-        let clock: SharedClock = Arc::clone(self.clock());
-        let what = "prune inbox markers";
-        self.pool()
-            .run(move |conn| {
-                write_tx(conn, what, |tx| {
-                    // Same rule as the reference: delete when `now - at > older_than`.
-                    let cutoff = clock.now().0.saturating_sub(older);
-                    let n = tx
-                        .prepare_cached("DELETE FROM outbox_inbox_markers WHERE consumer = ?1 AND at < ?2")
-                        .ctx(what)?
-                        .execute((&c, cutoff))
-                        .ctx(what)?;
-                    Ok(n as u64)
                 })
             })
             .await

@@ -11,7 +11,10 @@ use rusqlite::{Connection, TransactionBehavior};
 use crate::error::{BACKEND, ResultExt, map_commit};
 
 /// The schema version this code creates and understands.
-pub const SCHEMA_VERSION: i64 = 1;
+///
+/// - 1: outbox rows and the inbox tables.
+/// - 2: consumer dead letters keep the whole event (destination, key, headers).
+pub const SCHEMA_VERSION: i64 = 2;
 
 const V1: &str = r"
 CREATE TABLE outbox_rows (
@@ -87,8 +90,20 @@ CREATE TABLE outbox_inbox_failures (
 ) STRICT, WITHOUT ROWID;
 ";
 
+/// Consumer dead letters keep the whole delivered event, so that a replay is faithful. Version 1
+/// kept only the event id and payload: its records get destination
+/// [`UNKNOWN_DESTINATION`](outbox_core::inbox::UNKNOWN_DESTINATION) (a replay tool asks the
+/// operator where to send them), no key, and no headers (`x'0100000000'` is
+/// [`encode_headers`](outbox_core::event::encode_headers) of none). The defaults only fill
+/// existing rows; every write supplies all three.
+const V2: &str = r"
+ALTER TABLE outbox_inbox_dead_letters ADD COLUMN destination TEXT NOT NULL DEFAULT '_outbox.unknown-destination';
+ALTER TABLE outbox_inbox_dead_letters ADD COLUMN event_key TEXT;
+ALTER TABLE outbox_inbox_dead_letters ADD COLUMN headers BLOB NOT NULL DEFAULT x'0100000000';
+";
+
 /// `(version, SQL)`, ascending; the last version is [`SCHEMA_VERSION`].
-const MIGRATIONS: &[(i64, &str)] = &[(1, V1)];
+const MIGRATIONS: &[(i64, &str)] = &[(1, V1), (2, V2)];
 
 /// Bring the file to [`SCHEMA_VERSION`]; returns the version found before.
 pub(crate) fn migrate(conn: &mut Connection, now: Timestamp) -> Result<i64> {
@@ -121,4 +136,25 @@ pub(crate) fn migrate(conn: &mut Connection, now: Timestamp) -> Result<i64> {
     }
     tx.commit().map_err(|e| map_commit(what, e))?;
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_ascending_and_end_at_the_current_one() {
+        assert!(MIGRATIONS.windows(2).all(|w| w[0].0 < w[1].0));
+        assert_eq!(MIGRATIONS.last().map(|m| m.0), Some(SCHEMA_VERSION));
+    }
+
+    #[test]
+    fn v2_defaults_are_the_unknown_destination_and_no_headers() {
+        // Frozen text; these are what the literals must stay equal to.
+        assert!(V2.contains(&format!("'{}'", outbox_core::inbox::UNKNOWN_DESTINATION)));
+        let none = outbox_core::event::encode_headers(&outbox_core::Headers::new());
+        let hex: String = none.iter().map(|b| format!("{b:02x}")).collect();
+        assert!(V2.contains(&format!("x'{hex}'")), "{hex}");
+        assert!(outbox_core::Destination::new(outbox_core::inbox::UNKNOWN_DESTINATION).is_ok());
+    }
 }

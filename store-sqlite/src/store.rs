@@ -13,7 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_core::{
     Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxRecord, OutboxStats, OutboxStore,
-    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, SystemClock, Timestamp,
+    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, SystemClock, Timestamp, Wakeup,
+    WakeupSender,
 };
 use rusqlite::types::Value;
 use rusqlite::{Connection, Transaction, TransactionBehavior};
@@ -45,10 +46,28 @@ macro_rules! holds_lease {
 /// A cheaply cloneable handle: clones share the connection pool. It implements
 /// [`OutboxStore`] and [`Inbox`](outbox_core::Inbox) (with [`SqliteTx`](crate::SqliteTx) as
 /// the transaction), so one value serves relays and consumers.
+///
+/// # Waking relays
+///
+/// Its [`wakeup`](OutboxStore::wakeup) signal is in-process and shared by clones: relays
+/// running on this handle (or a clone) wake up when rows are enqueued through it.
+/// - [`enqueue`](OutboxStore::enqueue) signals after its commit.
+/// - [`enqueue_in`](SqliteStore::enqueue_in) / [`enqueue_one_in`](SqliteStore::enqueue_one_in)
+///   signal as soon as the rows are written, before the caller's commit. That is early, not
+///   wrong: SQLite has one writer, the caller's transaction holds the write lock from its first
+///   write until it ends, and a woken relay's claim (`BEGIN IMMEDIATE`) waits for that lock, so
+///   it sees the rows right after the commit, or finds nothing after a rollback and waits
+///   again. A caller that keeps its transaction open longer than the busy timeout after
+///   enqueueing makes that claim fail with a transient `Busy` error; the relay logs it and
+///   retries after its poll interval.
+/// - The free functions [`enqueue`](crate::enqueue) / [`enqueue_one`](crate::enqueue_one) know
+///   no store and signal nobody; neither do writes from another store handle or process. Relays
+///   find those rows at their next poll.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     pool: Arc<Pool>,
     clock: SharedClock,
+    wakeup: WakeupSender,
 }
 
 impl SqliteStore {
@@ -78,7 +97,7 @@ impl SqliteStore {
         })
         .await?;
         tracing::debug!(target: "outbox.sqlite", path = %config.path.display(), "opened");
-        Ok(Self { pool: Pool::new(config, conn), clock })
+        Ok(Self { pool: Pool::new(config, conn), clock, wakeup: WakeupSender::new() })
     }
 
     /// The database file.
@@ -107,12 +126,20 @@ impl SqliteStore {
     }
 
     /// Enqueue `events` in the caller's transaction `tx` with this store's clock and payload
-    /// limit. Blocking. Same rules as the free function [`enqueue`](crate::enqueue).
+    /// limit, and wake this store's relays. Blocking. Same rules as the free function
+    /// [`enqueue`](crate::enqueue).
+    ///
+    /// The wake-up is sent when the rows are written, before `tx` commits; relays then wait for
+    /// the commit (see [Waking relays](SqliteStore#waking-relays)).
     ///
     /// # Errors
     /// As [`enqueue`](crate::enqueue).
     pub fn enqueue_in(&self, tx: &Transaction<'_>, events: &[Event]) -> Result<Vec<RowId>> {
-        insert_events(tx, events, self.clock.now(), self.pool.config().max_payload)
+        let ids = insert_events(tx, events, self.clock.now(), self.pool.config().max_payload)?;
+        if !ids.is_empty() {
+            self.wakeup.notify();
+        }
+        Ok(ids)
     }
 
     /// [`enqueue_in`](SqliteStore::enqueue_in) for one event.
@@ -350,9 +377,13 @@ impl OutboxStore for SqliteStore {
         }
         let events = events.to_vec();
         let clock = Arc::clone(&self.clock);
-        self.pool
+        let ids = self
+            .pool
             .run(move |conn| write_tx(conn, "enqueue", |tx| insert_events(tx, &events, clock.now(), max_payload)))
-            .await
+            .await?;
+        // Committed: a woken relay's claim sees the rows.
+        self.wakeup.notify();
+        Ok(ids)
     }
 
     async fn claim(&self, owner: &str, limit: usize, lease: Duration) -> Result<Vec<Claimed>> {
@@ -612,5 +643,10 @@ impl OutboxStore for SqliteStore {
                 Ok(rows.into_iter().map(|r| r.into_snapshot(now)).collect())
             })
             .await
+    }
+
+    /// In-process, shared by clones; see [Waking relays](SqliteStore#waking-relays).
+    fn wakeup(&self) -> Option<Wakeup> {
+        Some(self.wakeup.subscribe())
     }
 }

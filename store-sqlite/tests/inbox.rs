@@ -5,11 +5,12 @@ mod common;
 use std::time::Duration;
 
 use common::{event, id};
+use outbox_core::inbox::UNKNOWN_DESTINATION;
 use outbox_core::{
-    Clock, DeadLetter, DeadLetterReason, ErrorKind, Event, Fingerprint, Inbox, LedgerState, MarkOutcome, Timestamp,
-    VersionOutcome,
+    Clock, DeadLetter, DeadLetterReason, ErrorKind, Event, Fingerprint, Headers, Inbox, InboxAdmin, LedgerState,
+    ManualClock, MarkOutcome, Timestamp, VersionOutcome,
 };
-use outbox_store_sqlite::SqliteStore;
+use outbox_store_sqlite::{SCHEMA_VERSION, SqliteStore};
 
 const CONSUMER: &str = "billing";
 
@@ -285,17 +286,18 @@ async fn notification_ledger_round_trips() {
     assert_eq!(db.store.ledger_state(&mut tx, CONSUMER, &e).await.unwrap(), LedgerState::Fresh);
 }
 
+/// A dead letter whose event has a key, binary header values and a binary payload.
+fn letter(event_id: &str, reason: DeadLetterReason) -> DeadLetter {
+    let e = event(event_id, &[0, 0xff, 1, b'\n', 0])
+        .with_key(format!("key of {event_id} ünï"))
+        .with_header("bin", vec![0u8, 0xff, 0])
+        .with_header("empty", Vec::new());
+    DeadLetter::new(CONSUMER, e, reason, format!("{event_id} failed"))
+}
+
 #[tokio::test]
-async fn dead_letters_commit_with_the_transaction() {
+async fn dead_letters_commit_with_the_transaction_and_keep_the_whole_event() {
     let db = common::open().await;
-    let letter = |event_id: &str, reason| DeadLetter {
-        consumer: CONSUMER.into(),
-        event_id: id(event_id),
-        reason,
-        error: format!("{event_id} failed"),
-        payload: vec![0, 0xff, 1],
-        at: Timestamp::default(),
-    };
     let mut tx = db.store.begin().await.unwrap();
     db.store.dead_letter(&mut tx, &letter("x-1", DeadLetterReason::Conflict)).await.unwrap();
     db.store.dead_letter(&mut tx, &letter("x-2", DeadLetterReason::HandlerFailed)).await.unwrap();
@@ -308,12 +310,162 @@ async fn dead_letters_commit_with_the_transaction() {
     drop(tx);
 
     let got = db.store.dead_letters(CONSUMER).await.unwrap();
+    assert_eq!(got.len(), 2);
+    assert!(got[0].id > 0 && got[1].id > got[0].id, "store-assigned ids in write order: {got:?}");
     let expected: Vec<DeadLetter> = [("x-1", DeadLetterReason::Conflict), ("x-2", DeadLetterReason::HandlerFailed)]
         .into_iter()
-        .map(|(e, r)| DeadLetter { at: committed_at, ..letter(e, r) })
+        .zip(&got)
+        .map(|((e, r), g)| DeadLetter { id: g.id, at: committed_at, ..letter(e, r) })
         .collect();
-    assert_eq!(got, expected);
+    assert_eq!(got, expected, "event (destination, key, headers, payload) byte-for-byte");
     assert!(db.store.dead_letters("other").await.unwrap().is_empty());
+
+    // The columns themselves, read with a separate connection.
+    let conn = db.store.connect_raw().unwrap();
+    let (destination, key, headers): (String, Option<String>, Vec<u8>) = conn
+        .query_row(
+            "SELECT destination, event_key, headers FROM outbox_inbox_dead_letters WHERE id = ?1",
+            [got[0].id],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert_eq!(destination, "orders");
+    assert_eq!(key.as_deref(), Some("key of x-1 ünï"));
+    assert_eq!(outbox_core::event::decode_headers(&headers, "test").unwrap(), expected[0].event.headers);
+}
+
+#[tokio::test]
+async fn removing_dead_letters_takes_only_the_consumers_ids_and_resets_their_failure_counts() {
+    let db = common::open().await;
+    let mut tx = db.store.begin().await.unwrap();
+    for e in ["r-1", "r-2", "r-3"] {
+        db.store.dead_letter(&mut tx, &letter(e, DeadLetterReason::HandlerFailed)).await.unwrap();
+    }
+    let other = DeadLetter { consumer: "other".into(), ..letter("r-1", DeadLetterReason::HandlerFailed) };
+    db.store.dead_letter(&mut tx, &other).await.unwrap();
+    db.store.commit(tx).await.unwrap();
+    for e in ["r-1", "r-2", "r-3"] {
+        db.store.record_failure(CONSUMER, &id(e)).await.unwrap();
+    }
+    db.store.record_failure("other", &id("r-1")).await.unwrap();
+    let ours = db.store.dead_letters(CONSUMER).await.unwrap();
+    let theirs = db.store.dead_letters("other").await.unwrap();
+
+    assert_eq!(db.store.remove_dead_letters(CONSUMER, &[]).await.unwrap(), 0);
+    let asked = [ours[0].id, ours[2].id, theirs[0].id, theirs[0].id + 100];
+    assert_eq!(db.store.remove_dead_letters(CONSUMER, &asked).await.unwrap(), 2);
+    assert_eq!(db.store.dead_letters(CONSUMER).await.unwrap(), [ours[1].clone()]);
+    assert_eq!(db.store.dead_letters("other").await.unwrap(), theirs);
+
+    let count = |consumer: &str, e: &str| -> i64 {
+        db.store
+            .connect_raw()
+            .unwrap()
+            .query_row(
+                "SELECT COALESCE((SELECT count FROM outbox_inbox_failures WHERE consumer = ?1 AND event_id = ?2), 0)",
+                [consumer, e],
+                |r| r.get(0),
+            )
+            .unwrap()
+    };
+    assert_eq!((count(CONSUMER, "r-1"), count(CONSUMER, "r-2"), count(CONSUMER, "r-3")), (0, 1, 0));
+    assert_eq!(count("other", "r-1"), 1, "the other consumer's count stays");
+    assert_eq!(db.store.record_failure(CONSUMER, &id("r-1")).await.unwrap(), 1, "counts from 1 again");
+}
+
+/// The schema exactly as version 1 of this crate created it (frozen: the migration from it is
+/// what is under test).
+const SCHEMA_V1: &str = r"
+CREATE TABLE outbox_schema_version (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL) STRICT;
+CREATE TABLE outbox_rows (
+    row_id INTEGER PRIMARY KEY AUTOINCREMENT, event_id TEXT NOT NULL UNIQUE, destination TEXT NOT NULL,
+    event_key TEXT, headers BLOB NOT NULL, payload BLOB NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+    token INTEGER NOT NULL DEFAULT 0, owner TEXT, lease_expires_at INTEGER, available_at INTEGER NOT NULL,
+    created_at INTEGER NOT NULL, published_token INTEGER, published_at INTEGER, parked_at INTEGER, last_error TEXT
+) STRICT;
+CREATE INDEX outbox_rows_claim ON outbox_rows (row_id, available_at, lease_expires_at)
+    WHERE published_token IS NULL AND parked_at IS NULL;
+CREATE INDEX outbox_rows_parked ON outbox_rows (row_id) WHERE parked_at IS NOT NULL;
+CREATE TABLE outbox_inbox_markers (
+    consumer TEXT NOT NULL, event_id TEXT NOT NULL, fingerprint BLOB NOT NULL, at INTEGER NOT NULL,
+    PRIMARY KEY (consumer, event_id)
+) STRICT, WITHOUT ROWID;
+CREATE INDEX outbox_inbox_markers_at ON outbox_inbox_markers (consumer, at);
+CREATE TABLE outbox_inbox_versions (
+    consumer TEXT NOT NULL, subject TEXT NOT NULL, version INTEGER NOT NULL, at INTEGER NOT NULL,
+    PRIMARY KEY (consumer, subject)
+) STRICT, WITHOUT ROWID;
+CREATE TABLE outbox_inbox_ledger (
+    consumer TEXT NOT NULL, event_id TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('attempted', 'done')), at INTEGER NOT NULL,
+    PRIMARY KEY (consumer, event_id)
+) STRICT, WITHOUT ROWID;
+CREATE TABLE outbox_inbox_dead_letters (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, consumer TEXT NOT NULL, event_id TEXT NOT NULL, reason TEXT NOT NULL,
+    error TEXT NOT NULL, payload BLOB NOT NULL, at INTEGER NOT NULL
+) STRICT;
+CREATE INDEX outbox_inbox_dead_letters_consumer ON outbox_inbox_dead_letters (consumer, id);
+CREATE TABLE outbox_inbox_failures (
+    consumer TEXT NOT NULL, event_id TEXT NOT NULL, count INTEGER NOT NULL, at INTEGER NOT NULL,
+    PRIMARY KEY (consumer, event_id)
+) STRICT, WITHOUT ROWID;
+INSERT INTO outbox_schema_version (version, applied_at) VALUES (1, 0);
+INSERT INTO outbox_inbox_dead_letters (consumer, event_id, reason, error, payload, at)
+    VALUES ('billing', 'old-1', 'handler_failed', 'handler failed 5 times', x'00ff0a00', 1234);
+INSERT INTO outbox_inbox_failures (consumer, event_id, count, at) VALUES ('billing', 'old-1', 5, 1234);
+";
+
+#[tokio::test]
+async fn a_version_1_file_migrates_and_keeps_its_dead_letters() {
+    assert_eq!(SCHEMA_VERSION, 2);
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::config_in(&dir);
+    {
+        let conn = outbox_store_sqlite::rusqlite::Connection::open(&config.path).unwrap();
+        conn.execute_batch(SCHEMA_V1).unwrap();
+    }
+    let clock = ManualClock::default();
+    let store = SqliteStore::open_with_clock(config.clone(), std::sync::Arc::new(clock.clone())).await.unwrap();
+    assert_eq!(store.schema_version().await.unwrap(), 2);
+    let versions: Vec<i64> = {
+        let conn = store.connect_raw().unwrap();
+        let mut stmt = conn.prepare("SELECT version FROM outbox_schema_version ORDER BY version").unwrap();
+        stmt.query_map([], |r| r.get(0)).unwrap().collect::<Result<_, _>>().unwrap()
+    };
+    assert_eq!(versions, [1, 2]);
+
+    // The old record reads back: what version 1 kept, byte-for-byte, and the documented
+    // defaults for what it did not.
+    let old = store.dead_letters(CONSUMER).await.unwrap();
+    assert_eq!(old.len(), 1);
+    let d = &old[0];
+    assert_eq!(
+        (d.event.id.as_str(), d.reason, d.error.as_str()),
+        ("old-1", DeadLetterReason::HandlerFailed, "handler failed 5 times")
+    );
+    assert_eq!(d.event.payload, [0x00, 0xff, 0x0a, 0x00]);
+    assert_eq!(d.at, Timestamp(1234));
+    assert_eq!(d.event.destination.as_str(), UNKNOWN_DESTINATION);
+    assert!(!d.destination_known());
+    assert_eq!((d.event.key.as_ref(), &d.event.headers), (None, &Headers::new()));
+
+    // New records keep everything; removing the old one clears its failure count.
+    let mut tx = store.begin().await.unwrap();
+    store.dead_letter(&mut tx, &letter("new-1", DeadLetterReason::Conflict)).await.unwrap();
+    store.commit(tx).await.unwrap();
+    let all = store.dead_letters(CONSUMER).await.unwrap();
+    assert_eq!(all.len(), 2);
+    assert!(all[1].id > d.id);
+    assert_eq!(all[1].event, letter("new-1", DeadLetterReason::Conflict).event);
+    assert!(all[1].destination_known());
+    assert_eq!(store.remove_dead_letters(CONSUMER, &[d.id]).await.unwrap(), 1);
+    assert_eq!(store.record_failure(CONSUMER, &id("old-1")).await.unwrap(), 1);
+
+    // Reopening applies nothing again.
+    drop(store);
+    let again = SqliteStore::open(config).await.unwrap();
+    assert_eq!(again.schema_version().await.unwrap(), 2);
+    assert_eq!(again.dead_letters(CONSUMER).await.unwrap(), [all[1].clone()]);
 }
 
 #[tokio::test]

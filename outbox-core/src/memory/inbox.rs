@@ -8,7 +8,7 @@ use super::{BACKEND, lock};
 use crate::clock::{SharedClock, SystemClock, Timestamp};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::{EventId, Fingerprint};
-use crate::inbox::{DeadLetter, Inbox, LedgerState, MarkOutcome, Marker, VersionOutcome};
+use crate::inbox::{DeadLetter, Inbox, InboxAdmin, LedgerState, MarkOutcome, Marker, VersionOutcome};
 
 type Key = (String, EventId);
 
@@ -18,6 +18,8 @@ struct State {
     versions: BTreeMap<(String, String), u64>,
     ledger: BTreeMap<Key, LedgerState>,
     dead: Vec<DeadLetter>,
+    /// The id of the last dead letter written (ids start at 1, like a database sequence).
+    last_dead_id: i64,
     failures: BTreeMap<Key, u32>,
     tables: BTreeMap<String, Vec<Vec<u8>>>,
 }
@@ -85,12 +87,47 @@ fn write_conflict(what: String) -> Error {
 }
 
 #[async_trait]
-impl Inbox for MemoryInbox {
-    type Tx = MemoryTx;
-
+impl InboxAdmin for MemoryInbox {
     fn backend(&self) -> &'static str {
         BACKEND
     }
+
+    async fn markers(&self, consumer: &str) -> Result<Vec<Marker>> {
+        Ok(lock(&self.state).markers.values().filter(|m| m.consumer == consumer).cloned().collect())
+    }
+
+    async fn dead_letters(&self, consumer: &str) -> Result<Vec<DeadLetter>> {
+        Ok(lock(&self.state).dead.iter().filter(|d| d.consumer == consumer).cloned().collect())
+    }
+
+    async fn remove_dead_letters(&self, consumer: &str, ids: &[i64]) -> Result<u64> {
+        let mut st = lock(&self.state);
+        let mut removed = Vec::new();
+        st.dead.retain(|d| {
+            let gone = d.consumer == consumer && ids.contains(&d.id);
+            if gone {
+                removed.push(d.event.id.clone());
+            }
+            !gone
+        });
+        for event_id in &removed {
+            st.failures.remove(&(consumer.to_string(), event_id.clone()));
+        }
+        Ok(removed.len() as u64)
+    }
+
+    async fn prune_markers(&self, consumer: &str, older_than: Duration) -> Result<u64> {
+        let now = self.clock.now();
+        let mut st = lock(&self.state);
+        let before = st.markers.len();
+        st.markers.retain(|_, m| !(m.consumer == consumer && now.since(m.at) > older_than));
+        Ok((before - st.markers.len()) as u64)
+    }
+}
+
+#[async_trait]
+impl Inbox for MemoryInbox {
+    type Tx = MemoryTx;
 
     async fn begin(&self) -> Result<MemoryTx> {
         Ok(MemoryTx::default())
@@ -125,6 +162,8 @@ impl Inbox for MemoryInbox {
             st.ledger.insert(key, s);
         }
         for mut d in tx.dead {
+            st.last_dead_id += 1;
+            d.id = st.last_dead_id;
             d.at = now;
             st.dead.push(d);
         }
@@ -215,21 +254,5 @@ impl Inbox for MemoryInbox {
         let n = st.failures.entry((consumer.to_string(), event_id.clone())).or_insert(0);
         *n += 1;
         Ok(*n)
-    }
-
-    async fn markers(&self, consumer: &str) -> Result<Vec<Marker>> {
-        Ok(lock(&self.state).markers.values().filter(|m| m.consumer == consumer).cloned().collect())
-    }
-
-    async fn dead_letters(&self, consumer: &str) -> Result<Vec<DeadLetter>> {
-        Ok(lock(&self.state).dead.iter().filter(|d| d.consumer == consumer).cloned().collect())
-    }
-
-    async fn prune_markers(&self, consumer: &str, older_than: Duration) -> Result<u64> {
-        let now = self.clock.now();
-        let mut st = lock(&self.state);
-        let before = st.markers.len();
-        st.markers.retain(|_, m| !(m.consumer == consumer && now.since(m.at) > older_than));
-        Ok((before - st.markers.len()) as u64)
     }
 }

@@ -12,6 +12,7 @@ use crate::store::{
     Claimed, Completion, Lease, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId, RowSnapshot,
     RowStatus,
 };
+use crate::wakeup::{Wakeup, WakeupSender};
 
 #[derive(Debug, Clone)]
 struct Row {
@@ -57,11 +58,15 @@ struct State {
 }
 
 /// The reference [`OutboxStore`]: rows in a map behind a mutex, time from an injected clock.
+///
+/// Its [`wakeup`](OutboxStore::wakeup) signal fires after every successful
+/// [`enqueue`](OutboxStore::enqueue) on it or on a clone (the rows are visible by then).
 #[derive(Debug, Clone)]
 pub struct MemoryOutbox {
     state: Arc<Mutex<State>>,
     clock: SharedClock,
     max_payload: usize,
+    wakeup: WakeupSender,
 }
 
 impl Default for MemoryOutbox {
@@ -73,7 +78,7 @@ impl Default for MemoryOutbox {
 impl MemoryOutbox {
     /// An empty store on `clock`.
     pub fn new(clock: SharedClock) -> Self {
-        Self { state: Arc::default(), clock, max_payload: DEFAULT_MAX_PAYLOAD }
+        Self { state: Arc::default(), clock, max_payload: DEFAULT_MAX_PAYLOAD, wakeup: WakeupSender::new() }
     }
 
     /// Set the largest accepted payload.
@@ -133,6 +138,10 @@ impl OutboxStore for MemoryOutbox {
                 },
             );
             out.push(id);
+        }
+        drop(st);
+        if !out.is_empty() {
+            self.wakeup.notify();
         }
         Ok(out)
     }
@@ -316,5 +325,9 @@ impl OutboxStore for MemoryOutbox {
                 last_error: r.last_error.clone(),
             })
             .collect())
+    }
+
+    fn wakeup(&self) -> Option<Wakeup> {
+        Some(self.wakeup.subscribe())
     }
 }

@@ -7,13 +7,12 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use outbox_core::{Destination, Event, EventId, SharedClock};
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe, Connection};
-use outbox_store_postgres::{PgConfig, PgStore, URL_ENV};
+use outbox_conformance_tests::{pg_url, service_addr};
+use outbox_store_postgres::{PgConfig, PgStore};
 
-/// `host:port` of the server the tests use (from `OUTBOX_PG_URL`, else the default URL).
+/// `host:port` of the server the tests use (from `OUTBOX_PG_URL`, else the local server).
 pub fn server_addr() -> String {
-    let url = std::env::var(URL_ENV).unwrap_or_else(|_| outbox_store_postgres::DEFAULT_URL.to_string());
-    let url = url::Url::parse(&url).expect("test URL parses");
-    format!("{}:{}", url.host_str().unwrap_or("127.0.0.1"), url.port().unwrap_or(5432))
+    service_addr(&pg_url())
 }
 
 /// `false` (after a loud skip message) when PostgreSQL is not reachable outside CI.
@@ -29,7 +28,7 @@ pub fn unique_schema(tag: &str) -> String {
 }
 
 pub fn base_config() -> PgConfig {
-    PgConfig::from_env().expect("test URL is valid")
+    PgConfig::from_url(&pg_url()).expect("test URL is valid")
 }
 
 /// A migrated store in a fresh schema; the schema is dropped on drop.

@@ -1,0 +1,166 @@
+//! `outbox relay`: the deployable relay process.
+//!
+//! A relay is a long-running process an operator starts beside a service, one or more per
+//! outbox. Everything it needs comes from two URLs; everything an orchestrator needs from it is
+//! a clean exit on SIGTERM (in-flight publishes finish, the rest of the batch is released so
+//! another relay takes it at once instead of after the lease) and a health/metrics endpoint.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::core::config::redact;
+use outbox::{AnyStore, Error, ErrorKind, Relay, RelayConfig, Result};
+use tracing::{info, warn};
+
+use crate::duration;
+use crate::metrics;
+
+/// Flags of `outbox relay`.
+#[derive(clap::Args)]
+pub(crate) struct RelayArgs {
+    /// The outbox store: `postgres://…`, `sqlite:///path.db` (or `memory://`).
+    #[arg(long, env = "OUTBOX_STORE_URL", hide_env_values = true)]
+    store: String,
+    /// The broker: `kafka://host:9092`, `amqp://…`, `redis://…` (or `memory://`).
+    #[arg(long, env = "OUTBOX_BROKER_URL", hide_env_values = true)]
+    broker: String,
+    /// Rows claimed per batch.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    batch: u32,
+    /// Publishes in flight at once (rows of one key are always published in order, one at a time).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    concurrency: u32,
+    /// Lease length per claim (`30s`, `500ms`, `2m`): how long a row stays with this relay before
+    /// another may take it.
+    #[arg(long, default_value = "30s", value_parser = duration::parse)]
+    lease: Duration,
+    /// Lease owner name, unique among live relays (default: `relay-<host>-<pid>`).
+    #[arg(long)]
+    owner: Option<String>,
+    /// Failed publish attempts after which a row is parked.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    max_attempts: u32,
+    /// Poll interval when idle. Stores that signal new rows (PostgreSQL LISTEN/NOTIFY, SQLite
+    /// in-process) wake the relay at once; the poll is the safety net.
+    #[arg(long, default_value = "500ms", value_parser = duration::parse)]
+    idle_poll: Duration,
+    /// Serve Prometheus metrics at `http://ADDR/metrics` and a health check at `/healthz`
+    /// (e.g. `127.0.0.1:9464`).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+    /// Run the store's migrations before starting (otherwise a PostgreSQL outbox without tables
+    /// is an error naming `outbox migrate`).
+    #[arg(long)]
+    migrate: bool,
+}
+
+fn default_owner() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_string());
+    format!("relay-{host}-{}", std::process::id())
+}
+
+/// Run the relay until SIGTERM or SIGINT.
+pub(crate) async fn run(args: RelayArgs) -> Result<()> {
+    let owner = args.owner.clone().unwrap_or_else(default_owner);
+    if owner.is_empty() || owner.len() > 200 {
+        return Err(Error::invalid_input("relay", "--owner must be 1 to 200 bytes"));
+    }
+    let store = AnyStore::connect(&args.store).await?;
+    if args.migrate {
+        let version = store.migrate().await?;
+        info!(target: "outbox.relay", backend = store.backend(), version, "schema migrated");
+    }
+    store.check_schema().await?;
+    let broker = outbox::broker_from_url(&args.broker).await?;
+    let outbox = store.outbox();
+
+    let config = RelayConfig {
+        owner: owner.clone(),
+        batch_size: args.batch as usize,
+        concurrency: args.concurrency as usize,
+        lease: args.lease,
+        max_attempts: args.max_attempts,
+        idle_poll: args.idle_poll,
+        ..RelayConfig::default()
+    };
+    let relay = Arc::new(Relay::new(outbox.clone(), broker.clone(), config));
+    let shutdown = relay.shutdown_handle();
+
+    let server = match args.metrics {
+        Some(addr) => Some(metrics::serve(addr, relay.clone(), outbox.clone()).await?),
+        None => None,
+    };
+
+    info!(
+        target: "outbox.relay",
+        %owner,
+        store = %redact(&args.store),
+        broker = %redact(&args.broker),
+        batch = args.batch,
+        concurrency = args.concurrency,
+        lease = ?args.lease,
+        metrics = ?server.as_ref().map(|s| s.addr),
+        "relay started"
+    );
+
+    let signals = tokio::spawn(wait_for_signals(shutdown.clone()));
+    let totals = relay.run().await;
+    signals.abort();
+    if let Some(server) = server {
+        server.stop();
+    }
+    let totals = totals?;
+    info!(
+        target: "outbox.relay",
+        %owner,
+        claimed = totals.claimed,
+        published = totals.published,
+        fenced = totals.fenced,
+        retried = totals.retried,
+        parked = totals.parked,
+        released = totals.released,
+        "relay stopped"
+    );
+    Ok(())
+}
+
+/// First SIGTERM/SIGINT: graceful shutdown. A second one: exit at once (status 130), for an
+/// operator who will not wait for a publish stuck on a dead broker.
+async fn wait_for_signals(shutdown: outbox::Shutdown) {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(target: "outbox.relay", error = %e, "cannot listen for SIGTERM; only SIGINT stops the relay");
+            let _ = tokio::signal::ctrl_c().await;
+            shutdown.trigger();
+            return;
+        }
+    };
+    for n in 0.. {
+        tokio::select! {
+            _ = term.recv() => {}
+            r = tokio::signal::ctrl_c() => {
+                if r.is_err() {
+                    // No SIGINT handler: keep waiting for SIGTERM only.
+                    term.recv().await;
+                }
+            }
+        }
+        if n == 0 {
+            info!(target: "outbox.relay", "signal received: finishing in-flight publishes, releasing the rest");
+            shutdown.trigger();
+        } else {
+            warn!(target: "outbox.relay", "second signal: exiting now; unfinished rows are retried after their lease");
+            std::process::exit(130);
+        }
+    }
+}
+
+/// Map an I/O error of the metrics listener.
+pub(crate) fn io_error(what: &str, e: std::io::Error) -> Error {
+    Error::permanent(ErrorKind::Config, "relay", format!("{what}: {e}"))
+}

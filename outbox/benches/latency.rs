@@ -1,0 +1,2 @@
+//! Placeholder, replaced by the wake-up work.
+fn main() {}

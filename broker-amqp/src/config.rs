@@ -665,7 +665,9 @@ mod tests {
 
     #[test]
     fn names_are_checked_against_amqp_limits() {
-        let c = AmqpConfig::from_url("amqp://guest:guest@127.0.0.1:5672/%2f").unwrap().with_routing_key(RoutingKey::EventKey);
+        let c = AmqpConfig::from_url("amqp://guest:guest@127.0.0.1:5672/%2f")
+            .unwrap()
+            .with_routing_key(RoutingKey::EventKey);
         let d = Destination::new("d".repeat(200)).unwrap();
         let g = ConsumerGroup::new("g".repeat(60)).unwrap();
         assert_eq!(c.queue_name(&d, &g).unwrap_err().kind(), ErrorKind::InvalidInput);

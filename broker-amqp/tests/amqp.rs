@@ -384,7 +384,8 @@ async fn unreachable_server_is_a_quick_transient_connection_error() {
 
 #[test]
 fn debug_and_display_hide_the_password() {
-    let config = AmqpConfig::from_url("amqp://outbox:pa%24%24-w0rd@rabbit.internal:5672/%2f?outbox_prefetch=4").unwrap();
+    let config =
+        AmqpConfig::from_url("amqp://outbox:pa%24%24-w0rd@rabbit.internal:5672/%2f?outbox_prefetch=4").unwrap();
     let broker = AmqpBroker::new(config.clone());
     for shown in [format!("{config}"), format!("{config:?}"), format!("{broker:?}"), config.redacted_url()] {
         assert!(!shown.contains("w0rd") && !shown.contains("pa%24%24"), "{shown}");

@@ -497,7 +497,9 @@ mod tests {
             assert!(shown.contains("linger.ms"), "{shown}");
             assert!(shown.contains("***"), "{shown}");
         }
-        for bad in ["ftp://user:hunter2@h:1", "kafka://user:hunter2@h", "user:hunter2@h:1", "kafka://user:hunter2@h:1/x"] {
+        for bad in
+            ["ftp://user:hunter2@h:1", "kafka://user:hunter2@h", "user:hunter2@h:1", "kafka://user:hunter2@h:1/x"]
+        {
             let e = KafkaConfig::from_url(bad).unwrap_err();
             assert!(!format!("{e} {e:?}").contains("hunter2"), "{e}");
         }

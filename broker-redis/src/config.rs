@@ -107,9 +107,7 @@ impl RedisConfig {
             dedupe_window: url.outbox_duration_ms("outbox_dedupe_window_ms")?,
             max_payload: url.outbox_usize("outbox_max_payload")?.unwrap_or(DEFAULT_MAX_PAYLOAD),
             connect_timeout: url.outbox_duration_ms("outbox_connect_timeout_ms")?.unwrap_or(DEFAULT_CONNECT_TIMEOUT),
-            response_timeout: url
-                .outbox_duration_ms("outbox_response_timeout_ms")?
-                .unwrap_or(DEFAULT_RESPONSE_TIMEOUT),
+            response_timeout: url.outbox_duration_ms("outbox_response_timeout_ms")?.unwrap_or(DEFAULT_RESPONSE_TIMEOUT),
         };
         url.finish()?;
         config.validate()?;
@@ -265,7 +263,8 @@ fn validate_url(raw: &str) -> Result<()> {
         )));
     }
     // The redis crate has its own rules (db number, protocol query); ask it too.
-    redis::Client::open(raw).map_err(|e| url.error(format!("the redis client does not accept it ({})", e.category())))?;
+    redis::Client::open(raw)
+        .map_err(|e| url.error(format!("the redis client does not accept it ({})", e.category())))?;
     Ok(())
 }
 

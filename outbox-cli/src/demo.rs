@@ -5,9 +5,10 @@
 //! token and publishes them again; A's late completion is fenced. The broker therefore holds
 //! duplicates — by design — and the consumer's inbox makes each credit apply once.
 //!
-//! Only two pieces know which store is in use, and they sit side by side: the `Credit` handler
-//! and `Books`, the application's own tables. Relays, consumer runtime, stall and verdict are the
-//! same code on every combination, as they would be in a real service.
+//! Only the setup (`Site`), the application's own tables (`Books`) and the `Credit` handler know
+//! which store is in use, and the last two are written once per store, side by side. Relays,
+//! consumer runtime, stall and verdict are the same code on every store and broker, as they would
+//! be in a real service.
 //!
 //! Everything a run creates is its own — SQLite files in a temporary directory, a fresh
 //! PostgreSQL schema, a fresh broker destination — and is removed at the end unless `--keep`, so
@@ -682,6 +683,7 @@ struct Report {
     stalled: u64,
 }
 
+/// Produce, relay with a stall, consume; then read everything back.
 async fn story<I: Inbox, H: Handler<I>>(
     args: &DemoArgs,
     books: &dyn Books,
@@ -991,6 +993,14 @@ impl Report {
             if mismatched.is_empty() { "match".to_string() } else { format!("differ: {mismatched:?}") }
         );
         println!("  wall time            {elapsed:.2?} for {} events", args.events);
+        // The same figures as key=value pairs, for scripts and the matrix test.
+        println!(
+            "  figures              committed={committed} lost={missing} duplicate_effects={doubled} ghosts={ghosts} \
+             offers={offers} duplicates_offered={duplicates} parked={parked} stale_published={stale_rows} \
+             markers={} ms={}",
+            self.markers,
+            elapsed.as_millis()
+        );
         at_least_once && at_most_once
     }
 }

@@ -329,15 +329,27 @@ pub(crate) async fn dead_letters(cmd: DeadLetterCommand) -> Result<()> {
         DeadLetterCommand::Replay { inbox, broker, select } => {
             let (store, letters) = letters(&inbox).await?;
             let chosen = choose(&letters, &select)?;
+            // Letters written before schema 2 did not keep their destination: nowhere to send them.
+            let unknown: Vec<String> =
+                chosen.iter().filter(|d| !d.destination_known()).map(|d| d.id.to_string()).collect();
+            if !unknown.is_empty() {
+                return Err(Error::invalid_input(
+                    "dead-letters",
+                    format!(
+                        "dead letter(s) {} were recorded before destinations were kept and cannot be replayed \
+                         faithfully; purge them or publish their payload by hand; nothing changed",
+                        unknown.join(", ")
+                    ),
+                ));
+            }
             let broker = outbox::broker_from_url(&broker).await?;
             let admin = store.inbox_admin();
             let mut replayed = 0u64;
             for d in chosen {
                 // Publish first, then remove: a failure in between leaves the letter, and a second
                 // replay publishes a duplicate the inbox absorbs. Nothing is lost either way.
-                broker.publish(&d.event).await.map_err(|e| {
+                broker.publish(&d.event).await.inspect_err(|_| {
                     eprintln!("replayed {replayed} letter(s) before the failure");
-                    e
                 })?;
                 admin.remove_dead_letters(&inbox.consumer, &[d.id]).await?;
                 println!("replayed {} (event {} to {})", d.id, d.event.id.as_str(), d.event.destination.as_str());

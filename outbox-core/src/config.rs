@@ -680,10 +680,9 @@ pub fn env_var(var_name: &str, backend: impl Into<Cow<'static, str>>) -> Result<
         Ok(v) if v.trim().is_empty() => Ok(None),
         Ok(v) => Ok(Some(v.trim().to_string())),
         Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => Err(Error::config(
-            backend,
-            format!("the environment variable {var_name} is not valid Unicode"),
-        )),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(Error::config(backend, format!("the environment variable {var_name} is not valid Unicode")))
+        }
     }
 }
 
@@ -747,7 +746,9 @@ fn parse_host_port(entry: &str) -> std::result::Result<HostPort, String> {
         let Some((addr, after)) = v6.split_once(']') else {
             return Err("an IPv6 address has no closing `]`".to_string());
         };
-        if addr.is_empty() || !addr.chars().all(|c| c.is_ascii_hexdigit() || matches!(c, ':' | '.' | '%')) {
+        if addr.is_empty()
+            || !addr.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, ':' | '.' | '%' | '-' | '_'))
+        {
             return Err(format!("[{addr}] is not an IPv6 address"));
         }
         let port = match after {
@@ -761,7 +762,7 @@ fn parse_host_port(entry: &str) -> std::result::Result<HostPort, String> {
             None => (entry, None),
         };
         let host = decode(host, false).map_err(|why| format!("the host {why}"))?;
-        if host.chars().any(|c| c.is_whitespace() || c.is_control() || "/?#@[],".contains(c)) {
+        if host.chars().any(|c| c.is_whitespace() || c.is_control() || "/?#@[],:".contains(c)) {
             return Err(format!("the host {host:?} is not a host name"));
         }
         (host, port)
@@ -831,7 +832,10 @@ mod tests {
         assert_eq!(url.param("sslmode"), Some("require"));
         assert_eq!(url.param("application_name"), Some("a b+c"));
         assert_eq!(url.params().len(), 2);
-        assert_eq!(url.redacted(), "postgres://app%20user:***@db.example.com:6543/my%20db?sslmode=require&application_name=a+b%2Bc");
+        assert_eq!(
+            url.redacted(),
+            "postgres://app%20user:***@db.example.com:6543/my%20db?sslmode=require&application_name=a+b%2Bc"
+        );
         url.finish().unwrap();
     }
 
@@ -863,6 +867,10 @@ mod tests {
     fn multi_host_lists_and_ipv6() {
         let url = ConnectionUrl::parse(&KAFKA, "kafka://me:s%3Acret@h1:9092,h2:9093,[::1]:9094,%5Bx:1").unwrap_err();
         assert_config_error(&url, "kafka", &["s%3Acret", "s:cret"]);
+        let err = ConnectionUrl::parse(&KAFKA, "kafka://h%3A1:9092").unwrap_err();
+        assert!(err.to_string().contains("not a host name"), "{err}");
+        let url = ConnectionUrl::parse(&KAFKA, "kafka://[fe80::1%25eth0]:9092").unwrap();
+        assert_eq!(url.host().unwrap().host(), "fe80::1%eth0");
         let url = ConnectionUrl::parse(&KAFKA, "KAFKA+SSL://me:s%3Acret@h1:9092,h2:9093,[::1]:9094/").unwrap();
         assert_eq!(url.scheme(), "kafka+ssl");
         let hosts: Vec<String> = url.hosts().iter().map(ToString::to_string).collect();
@@ -875,7 +883,8 @@ mod tests {
         assert_config_error(&err, "postgres", &["pw-secret"]);
         assert!(err.to_string().contains("2 hosts"), "{err}");
         // Empty entries and bad ports.
-        for bad in ["kafka://h1:9092,,h2:9092", "kafka://h1:90x2", "kafka://h1:70000", "kafka://:9092", "kafka://[::1"] {
+        for bad in ["kafka://h1:9092,,h2:9092", "kafka://h1:90x2", "kafka://h1:70000", "kafka://:9092", "kafka://[::1"]
+        {
             let err = ConnectionUrl::parse(&KAFKA, bad).unwrap_err();
             assert_config_error(&err, "kafka", &[]);
         }
@@ -1013,7 +1022,8 @@ mod tests {
 
     #[test]
     fn unknown_outbox_parameters_fail_listing_the_known_ones() {
-        let mut url = ConnectionUrl::parse(&PG, "postgres://u:hunter2@h/db?outbox_pool_size=2&outbox_pool_sise=3").unwrap();
+        let mut url =
+            ConnectionUrl::parse(&PG, "postgres://u:hunter2@h/db?outbox_pool_size=2&outbox_pool_sise=3").unwrap();
         url.outbox_u32("outbox_pool_size").unwrap();
         url.outbox_str("outbox_schema");
         let err = url.finish().unwrap_err();
@@ -1045,7 +1055,10 @@ mod tests {
             ("postgres://u:p@ss:hunter2@h/db", "postgres://u:***@h/db"),
             ("postgres://h/db?password=hunter2&sslmode=require", "postgres://h/db?password=***&sslmode=require"),
             ("kafka://h:1?sasl.password=hunter2&linger.ms=5", "kafka://h:1?sasl.password=***&linger.ms=5"),
-            ("kafka://h:1?ssl.key.password=hunter2&sasl.oauthbearer.client.secret=hunter2", "kafka://h:1?ssl.key.password=***&sasl.oauthbearer.client.secret=***"),
+            (
+                "kafka://h:1?ssl.key.password=hunter2&sasl.oauthbearer.client.secret=hunter2",
+                "kafka://h:1?ssl.key.password=***&sasl.oauthbearer.client.secret=***",
+            ),
             ("x://h?api_token=hunter2&Pass%77ord=hunter2", "x://h?api_token=***&Pass%77ord=***"),
             ("x://h#token=hunter2", "x://h#token=***"),
             ("redis://alice:hunter2@[bad", "redis://alice:***@[bad"),
@@ -1070,7 +1083,8 @@ mod tests {
 
     #[test]
     fn secret_parameter_names() {
-        for secret in ["password", "PASSWORD", "sasl.password", "ssl.key.password", "client_secret", "token", "api_key"] {
+        for secret in ["password", "PASSWORD", "sasl.password", "ssl.key.password", "client_secret", "token", "api_key"]
+        {
             assert!(is_secret_param(secret), "{secret}");
         }
         for plain in ["sslmode", "user", "linger.ms", "application_name", "outbox_pool_size"] {
@@ -1085,7 +1099,10 @@ mod tests {
         let err = env_url(missing, "postgres").unwrap_err();
         assert_config_error(&err, "postgres", &[]);
         let text = err.to_string();
-        assert!(text.contains(missing) && text.contains("postgres connection URL") && text.contains("no default"), "{text}");
+        assert!(
+            text.contains(missing) && text.contains("postgres connection URL") && text.contains("no default"),
+            "{text}"
+        );
         assert_eq!(env_var(missing, "postgres").unwrap(), None);
         // PATH is set in any test environment (and is not a URL; env_url does not parse).
         assert!(env_url("PATH", "postgres").is_ok());

@@ -75,9 +75,9 @@ pub struct RelayConfig {
     /// Longest wait between polls when nothing was claimable (the `run` loop only). With
     /// [`wakeup`](RelayConfig::wakeup) it is the safety net; without, it is the latency.
     pub idle_poll: Duration,
-    /// Also wake up as soon as the store signals an enqueue
-    /// ([`OutboxStore::wakeup`](crate::OutboxStore::wakeup)), instead of only every `idle_poll`
-    /// (the `run` loop only). On by default; a store without a signal just polls.
+    /// Also wake up as soon as the store signals an enqueue ([`OutboxStore::wakeup`]), instead
+    /// of only every `idle_poll` (the `run` loop only). On by default; a store without a signal
+    /// just polls.
     pub wakeup: bool,
     /// Seed of the jitter generator (`None`: from the system time).
     pub seed: Option<u64>,

@@ -72,14 +72,14 @@ fn feature_missing(scheme: &str, feature: &str) -> Error {
 }
 
 fn feature_enabled(feature: &str) -> bool {
-    match feature {
-        "postgres" => cfg!(feature = "postgres"),
-        "sqlite" => cfg!(feature = "sqlite"),
-        "kafka" => cfg!(feature = "kafka"),
-        "amqp" => cfg!(feature = "amqp"),
-        "redis" => cfg!(feature = "redis"),
-        _ => false,
-    }
+    let enabled = [
+        ("postgres", cfg!(feature = "postgres")),
+        ("sqlite", cfg!(feature = "sqlite")),
+        ("kafka", cfg!(feature = "kafka")),
+        ("amqp", cfg!(feature = "amqp")),
+        ("redis", cfg!(feature = "redis")),
+    ];
+    enabled.iter().any(|(name, on)| *name == feature && *on)
 }
 
 /// A store chosen by URL: its outbox, its inbox, and the operations only some stores need

@@ -444,7 +444,8 @@ mod tests {
 
     #[test]
     fn percent_encoded_credentials_reach_the_driver_decoded() {
-        let c = PgConfig::from_url("postgres://app%40corp:p%40ss%3Aw%25rd@db/my%20db?application_name=from-url").unwrap();
+        let c =
+            PgConfig::from_url("postgres://app%40corp:p%40ss%3Aw%25rd@db/my%20db?application_name=from-url").unwrap();
         let options = c.connect_options().unwrap();
         assert_eq!(options.get_username(), "app@corp");
         assert_eq!(options.get_database(), Some("my db"));
@@ -461,7 +462,8 @@ mod tests {
         let c = c.with_application_name("relay-7");
         assert_eq!(c.application_name(), Some("relay-7"));
         assert_eq!(c.connect_options().unwrap().get_application_name(), Some("relay-7"));
-        let c = PgConfig::from_url(&format!("{URL}?application_name=from-url")).unwrap().with_application_name("builder");
+        let c =
+            PgConfig::from_url(&format!("{URL}?application_name=from-url")).unwrap().with_application_name("builder");
         assert_eq!(c.connect_options().unwrap().get_application_name(), Some("builder"));
     }
 

@@ -6,6 +6,7 @@
 //! each other instead of queueing, and walks the partial index of open rows, so its cost depends
 //! on the backlog, not on how many published rows are kept.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +33,26 @@ const MAX_MS: i64 = 100 * 365 * 24 * 3600 * 1000;
 
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(MAX_MS).min(MAX_MS)
+}
+
+/// Largest plaintext of one TLS record.
+///
+/// sqlx 0.9.0 leaves Nagle's algorithm on (it stopped setting `TCP_NODELAY`), and over TLS it
+/// hands each record to the socket with its own write. A request that needs two records then
+/// goes out as two segments, and the second waits until the server acknowledges the first —
+/// which the server delays by about 40 ms, since it is still waiting for the rest of the
+/// request. Requests on the relay's hot path are kept within one record; a plain-TCP
+/// connection writes a request at once and never had the problem.
+const TLS_RECORD: usize = 16 * 1024;
+/// Bytes of a completion request besides its rows: message framing, statement name, the
+/// clock parameter, array headers (generously).
+const REQUEST_OVERHEAD: usize = 1024;
+/// Bytes per completed row: id and token as binary `bigint[]` elements (length + value each).
+const BYTES_PER_ROW: usize = 2 * (4 + 8);
+
+/// Rows of one completion statement for `owner`, so that the request fits one TLS record.
+fn rows_per_statement(owner: &str) -> usize {
+    (TLS_RECORD.saturating_sub(REQUEST_OVERHEAD + owner.len()) / BYTES_PER_ROW).max(1)
 }
 
 fn limit_param(limit: usize) -> i64 {
@@ -288,6 +309,27 @@ impl PgStore {
         self.pool.acquire().await.map_err(|e| map(e, Phase::InTransaction, "acquiring a connection"))
     }
 
+    /// One completion statement for rows of one `owner`; returns `(id, token, owner)` of each
+    /// row it published.
+    async fn complete_statement<'o>(
+        &self,
+        conn: &mut PgConnection,
+        phase: Phase,
+        owner: &'o str,
+        ids: &[i64],
+        tokens: &[i64],
+    ) -> Result<Vec<(i64, u64, &'o str)>> {
+        let done = sqlx::query(AssertSqlSafe(self.tables.sql.complete_many.clone()))
+            .bind(self.tables.now_param())
+            .bind(ids)
+            .bind(tokens)
+            .bind(owner)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| map(e, phase, "complete_many"))?;
+        done.iter().map(|r| Ok((get(r, "id")?, to_u64(get(r, "token")?, "token")?, owner))).collect()
+    }
+
     /// Run one token-conditional update; `Applied` when it matched the row.
     async fn fenced_update(
         &self,
@@ -443,48 +485,51 @@ impl OutboxStore for PgStore {
         Ok(if hit { Completion::Published } else { Completion::Fenced })
     }
 
+    /// One statement per owner and per 639 rows (with a 12-byte owner; fewer with a longer
+    /// one), so that each request fits one TLS record (see the crate's "Requests and TLS");
+    /// several statements run in one transaction.
     async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
-        let mut ids = Vec::with_capacity(rows.len());
-        let mut tokens = Vec::with_capacity(rows.len());
-        let mut owners = Vec::with_capacity(rows.len());
+        // A relay completes its own rows: normally one owner, so one group.
+        let mut groups: BTreeMap<&str, (Vec<i64>, Vec<i64>)> = BTreeMap::new();
         for (row, lease) in rows {
             if let Ok(token) = i64::try_from(lease.token) {
+                let (ids, tokens) = groups.entry(lease.owner.as_str()).or_default();
                 ids.push(*row);
                 tokens.push(token);
-                owners.push(lease.owner.clone());
             }
         }
-        if ids.is_empty() {
+        let mut statements = Vec::new();
+        for (owner, (ids, tokens)) in &groups {
+            let n = rows_per_statement(owner);
+            statements.extend(ids.chunks(n).zip(tokens.chunks(n)).map(|(i, t)| (*owner, i, t)));
+        }
+        if statements.is_empty() {
             return Ok(vec![Completion::Fenced; rows.len()]);
         }
         let mut conn = self.acquire().await?;
-        let done = sqlx::query(AssertSqlSafe(self.tables.sql.complete_many.clone()))
-            .bind(self.tables.now_param())
-            .bind(ids)
-            .bind(tokens)
-            .bind(owners)
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(|e| map(e, Phase::AutocommitWrite, "complete_many"))?;
-        let mut published: Vec<Option<(i64, u64, String)>> = done
-            .iter()
-            .map(|r| Ok(Some((get(r, "id")?, to_u64(get(r, "token")?, "token")?, get(r, "owner")?))))
-            .collect::<Result<_>>()?;
+        let mut published: BTreeMap<(i64, u64, &str), usize> = BTreeMap::new();
+        if let [(owner, ids, tokens)] = statements[..] {
+            for key in self.complete_statement(&mut conn, Phase::AutocommitWrite, owner, ids, tokens).await? {
+                *published.entry(key).or_default() += 1;
+            }
+        } else {
+            let mut tx = conn.begin().await.map_err(|e| map(e, Phase::InTransaction, "begin"))?;
+            for (owner, ids, tokens) in statements {
+                for key in self.complete_statement(&mut tx, Phase::InTransaction, owner, ids, tokens).await? {
+                    *published.entry(key).or_default() += 1;
+                }
+            }
+            tx.commit().await.map_err(map_commit_error)?;
+        }
         // One entry per input, in order; a row listed twice is published by the first entry only.
         Ok(rows
             .iter()
-            .map(|(row, lease)| {
-                let slot = published.iter_mut().find(|p| {
-                    p.as_ref()
-                        .is_some_and(|(id, token, owner)| id == row && *token == lease.token && *owner == lease.owner)
-                });
-                match slot {
-                    Some(slot) => {
-                        *slot = None;
-                        Completion::Published
-                    }
-                    None => Completion::Fenced,
+            .map(|(row, lease)| match published.get_mut(&(*row, lease.token, lease.owner.as_str())) {
+                Some(n) if *n > 0 => {
+                    *n -= 1;
+                    Completion::Published
                 }
+                _ => Completion::Fenced,
             })
             .collect())
     }
@@ -615,5 +660,20 @@ impl OutboxStore for PgStore {
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relays_completion_fits_one_tls_record() {
+        // The batch-500 stall: 500 rows with a 12-byte owner must be one statement.
+        assert_eq!(rows_per_statement("relay-bench1"), 639);
+        assert!(rows_per_statement("relay-bench1") >= 500);
+        let request = REQUEST_OVERHEAD + "relay-bench1".len() + 639 * BYTES_PER_ROW;
+        assert!(request <= TLS_RECORD, "{request} bytes");
+        assert_eq!(rows_per_statement(&"o".repeat(20_000)), 1);
     }
 }

@@ -62,8 +62,9 @@ async fn a_url_application_name_works_and_the_builder_overrides_it() {
     store.pool().close().await;
 
     let builder = unique_schema("override");
-    let store =
-        PgStore::connect(PgConfig::from_url(&url).unwrap().with_application_name(builder.clone())).await.expect("connect");
+    let store = PgStore::connect(PgConfig::from_url(&url).unwrap().with_application_name(builder.clone()))
+        .await
+        .expect("connect");
     let (names, listed) = names_seen(&store, 2, &builder).await;
     assert_eq!(names, [builder.clone(), builder.clone()]);
     assert!(listed >= 2, "pg_stat_activity lists {listed} sessions named {builder}");

@@ -76,9 +76,8 @@ async fn assert_all_published(store: &PgStore, expected: &[&str]) {
 /// `listening`), seen from a connection of its own.
 async fn sessions(config: &PgConfig, listening: bool) -> i64 {
     let name = config.application_name().expect("tests set an application name").to_owned();
-    let mut conn = PgConnection::connect_with(&config.connect_options().unwrap().application_name("wakeup-probe"))
-        .await
-        .unwrap();
+    let mut conn =
+        PgConnection::connect_with(&config.connect_options().unwrap().application_name("wakeup-probe")).await.unwrap();
     let n = sqlx::query_scalar(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND (NOT $2 OR query LIKE 'LISTEN%')",
     )

@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::event;
 use outbox_core::memory::MemoryBroker;
 use outbox_core::store::all_rows;
-use outbox_core::{Broker, BatchReport, ConsumerGroup, OutboxStore, Relay, RelayConfig, RowStatus, Subscription};
+use outbox_core::{BatchReport, Broker, ConsumerGroup, OutboxStore, Relay, RelayConfig, RowStatus, Subscription};
 use outbox_store_sqlite::SqliteStore;
 use outbox_store_sqlite::rusqlite::TransactionBehavior;
 use tokio::task::JoinHandle;

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use outbox_conformance_tests::{pg_url, service_addr};
 use outbox_core::{Destination, Event, EventId, SharedClock};
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe, Connection};
-use outbox_conformance_tests::{pg_url, service_addr};
 use outbox_store_postgres::{PgConfig, PgStore};
 
 /// `host:port` of the server the tests use (from `OUTBOX_PG_URL`, else the local server).

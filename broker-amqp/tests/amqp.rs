@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_broker_amqp::{AmqpBroker, AmqpConfig, QueueType};
+use outbox_core::InboxAdmin;
 use outbox_core::memory::{MemoryInbox, MemoryOutbox};
 use outbox_core::{
     Backoff, Broker, ConsumerGroup, Delivery, Destination, ErrorKind, Event, EventId, Inbox, MarkOutcome, OutboxStore,

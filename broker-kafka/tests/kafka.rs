@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_broker_kafka::{EVENT_ID_HEADER, KafkaBroker, KafkaConfig};
+use outbox_core::InboxAdmin;
 use outbox_core::memory::MemoryInbox;
 use outbox_core::{Broker, ConsumerGroup, Delivery, Destination, ErrorKind, Event, EventId, Inbox, MarkOutcome, Retry};
 use outbox_core::{Subscription, SystemClock};

@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use outbox_broker_redis::{RedisBroker, RedisConfig};
 use outbox_conformance_tests::redis_url;
+use outbox_core::InboxAdmin;
 use outbox_core::memory::MemoryInbox;
 use outbox_core::{
     Broker, ConsumerGroup, Delivery, Destination, ErrorKind, Event, EventId, Inbox, MarkOutcome, Subscription,

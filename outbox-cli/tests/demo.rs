@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use outbox::postgres::{PgConfig, PgStore, map_error, sqlx};
 use outbox::redis::{RedisBroker, RedisConfig};
-use outbox_conformance_tests::service::require_service;
+use outbox_conformance_tests::service::{require_service, service_addr};
 use outbox_core::Destination;
 
 /// Longest a demo run may take before it is killed and the test fails.
@@ -87,13 +87,6 @@ fn demo(cwd: &Path, args: &[&str]) -> Run {
 }
 
 /// `host:port` of a URL such as `postgres://user:pw@host:5432/db`.
-fn address(url: &str, default_port: u16) -> String {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    if host.contains(':') { host.to_string() } else { format!("{host}:{default_port}") }
-}
-
 #[test]
 fn default_demo_passes_and_leaves_the_current_directory_empty() {
     let cwd = tempfile::tempdir().expect("a temporary directory");
@@ -109,11 +102,10 @@ fn default_demo_passes_and_leaves_the_current_directory_empty() {
 
 #[test]
 fn postgres_and_redis_demo_passes_and_removes_its_schema_and_stream() {
-    let pg_url =
-        std::env::var("OUTBOX_PG_URL").unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/test".into());
-    let redis_url = std::env::var("OUTBOX_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    if !require_service("PostgreSQL", "postgres", &address(&pg_url, 5432))
-        || !require_service("Redis", "redis", &address(&redis_url, 6379))
+    let pg_url = outbox_conformance_tests::service::pg_url();
+    let redis_url = outbox_conformance_tests::service::redis_url();
+    if !require_service("PostgreSQL", "postgres", &service_addr(&pg_url))
+        || !require_service("Redis", "redis", &service_addr(&redis_url))
     {
         return;
     }

@@ -30,15 +30,15 @@ fn figures(stdout: &str) -> BTreeMap<String, u64> {
 fn every_store_and_broker_combination_keeps_the_contract_end_to_end() {
     let events: u64 = std::env::var("OUTBOX_MATRIX_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
     let pg = service::pg_url();
-    let pg_up = service::require_service("PostgreSQL", "postgres", &addr_of(&pg, 5432));
+    let pg_up = service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg));
     let brokers = [
-        ("redis", service::redis_url(), "Redis", "redis", 6379),
-        ("amqp", service::amqp_url(), "RabbitMQ", "rabbitmq", 5672),
-        ("kafka", service::kafka_url(), "Kafka (tansu)", "kafka", 9092),
+        ("redis", service::redis_url(), "Redis", "redis"),
+        ("amqp", service::amqp_url(), "RabbitMQ", "rabbitmq"),
+        ("kafka", service::kafka_url(), "Kafka (tansu)", "kafka"),
     ];
     let mut combos = Vec::new();
-    for (broker, url, service_name, script, port) in brokers {
-        if !service::require_service(service_name, script, &addr_of(&url, port)) {
+    for (broker, url, service_name, script) in brokers {
+        if !service::require_service(service_name, script, &service::service_addr(&url)) {
             continue;
         }
         combos.push(Combo { store: "sqlite", broker, store_url: None, broker_url: url.clone() });

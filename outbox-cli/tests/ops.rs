@@ -143,7 +143,7 @@ async fn dead_letter_commands(url: &str, store: &AnyStore, tag: &str) {
 
     // Replay the rest to a real broker: they arrive exactly as delivered, and are removed.
     let redis = service::redis_url();
-    if service::require_service("Redis", "redis", &addr_of(&redis, 6379)) {
+    if service::require_service("Redis", "redis", &service::service_addr(&redis)) {
         let broker = outbox::broker_from_url(&redis).await.unwrap();
         let dest = Destination::new("ops-credits").unwrap();
         let group = outbox::ConsumerGroup::new(unique("replaycheck").replace('_', "-")).unwrap();
@@ -188,7 +188,7 @@ async fn operator_commands_on_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_commands_on_postgres() {
     let pg = service::pg_url();
-    if !service::require_service("PostgreSQL", "postgres", &addr_of(&pg, 5432)) {
+    if !service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg)) {
         return;
     }
     let schema = unique("opscli");

@@ -22,14 +22,13 @@ struct Target {
     url: String,
     service: &'static str,
     script: &'static str,
-    port: u16,
 }
 
 fn targets() -> Vec<Target> {
     vec![
-        Target { name: "redis", url: service::redis_url(), service: "Redis", script: "redis", port: 6379 },
-        Target { name: "amqp", url: service::amqp_url(), service: "RabbitMQ", script: "rabbitmq", port: 5672 },
-        Target { name: "kafka", url: service::kafka_url(), service: "Kafka (tansu)", script: "kafka", port: 9092 },
+        Target { name: "redis", url: service::redis_url(), service: "Redis", script: "redis" },
+        Target { name: "amqp", url: service::amqp_url(), service: "RabbitMQ", script: "rabbitmq" },
+        Target { name: "kafka", url: service::kafka_url(), service: "Kafka (tansu)", script: "kafka" },
     ]
 }
 
@@ -85,11 +84,11 @@ fn spawn_relay(store_url: &str, broker_url: &str, owner: &str, metrics_port: Opt
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_process_publishes_everything_and_stops_cleanly_on_sigterm() {
     let pg = service::pg_url();
-    if !service::require_service("PostgreSQL", "postgres", &addr_of(&pg, 5432)) {
+    if !service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg)) {
         return;
     }
     for target in targets() {
-        if !service::require_service(target.service, target.script, &addr_of(&target.url, target.port)) {
+        if !service::require_service(target.service, target.script, &service::service_addr(&target.url)) {
             continue;
         }
         run_against(&pg, &target).await;

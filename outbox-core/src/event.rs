@@ -12,8 +12,16 @@ use crate::error::{Error, Result};
 
 /// Longest accepted event id, in bytes.
 pub const MAX_EVENT_ID_LEN: usize = 128;
-/// Longest accepted destination name, in bytes.
+/// Longest accepted destination (and consumer group) name, in bytes.
+///
+/// Below every supported broker's own limit with room for an adapter's prefix: Kafka topic
+/// names end at 249 bytes, and RabbitMQ's exchange names at 255 bytes *including* the adapter's
+/// exchange prefix (at most 50 bytes). Redis keys have no practical limit.
 pub const MAX_DESTINATION_LEN: usize = 200;
+
+/// The prefix RabbitMQ reserves for its own exchanges and queues; declaring a name that starts
+/// with it is refused (`ACCESS_REFUSED`).
+pub const RESERVED_AMQP_PREFIX: &str = "amq.";
 /// Longest accepted key, in bytes.
 pub const MAX_KEY_LEN: usize = 512;
 /// Longest accepted header name, in bytes.
@@ -85,8 +93,16 @@ impl TryFrom<&str> for EventId {
 
 /// Where an event is published: a topic, exchange or stream name, depending on the broker.
 ///
-/// 1 to [`MAX_DESTINATION_LEN`] bytes of `[A-Za-z0-9._-]`: the intersection of what Kafka,
-/// RabbitMQ and Redis accept, so swapping brokers never turns a valid name invalid.
+/// 1 to [`MAX_DESTINATION_LEN`] bytes of `[A-Za-z0-9._-]`, not `.` or `..`, not starting with
+/// [`RESERVED_AMQP_PREFIX`]: the intersection of what Kafka, RabbitMQ and Redis accept, so
+/// swapping brokers never turns a valid name invalid.
+///
+/// | rule | broker that refuses otherwise |
+/// |---|---|
+/// | only `[A-Za-z0-9._-]` | Kafka (topic names) |
+/// | not `.` or `..` | Kafka (they are path components of its log directories) |
+/// | at most 200 bytes | Kafka (249), RabbitMQ (255 with the adapter's prefix of up to 50) |
+/// | not starting with `amq.` | RabbitMQ (reserved for the server's own exchanges and queues) |
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Destination(String);
 
@@ -94,11 +110,23 @@ impl Destination {
     /// Validate and wrap a destination name.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for an empty or too long name
-    /// or a character outside `[A-Za-z0-9._-]`.
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput), naming the rule and the
+    /// broker that needs it, for an empty or too long name, a character outside
+    /// `[A-Za-z0-9._-]`, the names `.` and `..`, or a name starting with `amq.`.
     pub fn new(name: impl Into<String>) -> Result<Self> {
         let name = name.into();
         validate_name("destination", &name, MAX_DESTINATION_LEN)?;
+        if name == "." || name == ".." {
+            return Err(invalid(format!(
+                "destination name {name:?} is not allowed: Kafka refuses the topic names \".\" and \"..\""
+            )));
+        }
+        if name.starts_with(RESERVED_AMQP_PREFIX) {
+            return Err(invalid(format!(
+                "destination name {name:?} starts with {RESERVED_AMQP_PREFIX:?}, which RabbitMQ reserves for its \
+                 own exchanges and queues"
+            )));
+        }
         Ok(Self(name))
     }
 
@@ -401,6 +429,29 @@ mod tests {
         assert!(Destination::new("orders/v1").is_err());
         assert!(Destination::new("").is_err());
         assert!(ConsumerGroup::new("g 1").is_err());
+    }
+
+    #[test]
+    fn destination_names_any_supported_broker_refuses_are_refused_naming_the_rule() {
+        let refused = |name: &str, rule: &str| {
+            let err = Destination::new(name).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidInput, "{name:?}");
+            assert!(err.message().contains(rule), "{name:?}: {err}");
+        };
+        refused(".", "Kafka refuses the topic names \".\" and \"..\"");
+        refused("..", "Kafka refuses");
+        refused("amq.orders", "RabbitMQ reserves");
+        refused("amq.", "RabbitMQ reserves");
+        refused(&"d".repeat(MAX_DESTINATION_LEN + 1), "longer than the limit of 200");
+        refused("orders eu", "only [A-Za-z0-9._-] is allowed");
+        refused("", "empty");
+        // Dots elsewhere, and names that merely contain the reserved words, are fine.
+        for ok in ["...", ".orders", "orders.", "a..b", "amq", "amqp.orders", "x.amq.y", "AMQ.orders"] {
+            assert!(Destination::new(ok).is_ok(), "{ok:?}");
+        }
+        assert!(Destination::new("d".repeat(MAX_DESTINATION_LEN)).is_ok());
+        // Groups are not topics: Kafka takes any group id.
+        assert!(ConsumerGroup::new(".").is_ok());
     }
 
     #[test]

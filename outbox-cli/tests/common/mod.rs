@@ -90,15 +90,6 @@ pub fn unique(tag: &str) -> String {
     format!("{tag}_{}_{}_{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed), nanos % 1_000_000)
 }
 
-/// `host:port` of a URL's authority, for reachability checks.
-pub fn addr_of(url: &str, default_port: u16) -> String {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let authority = rest.split(['/', '?']).next().unwrap_or("");
-    let host_port = authority.rsplit('@').next().unwrap_or("");
-    let first = host_port.split(',').next().unwrap_or("");
-    if first.contains(':') { first.to_string() } else { format!("{first}:{default_port}") }
-}
-
 /// `url` with `param=value` added to its query.
 pub fn with_param(url: &str, param: &str, value: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };

@@ -2,7 +2,7 @@
 //! one interpreter; the few that need real concurrency or talk to one component directly are
 //! functions. Names follow the failure classes (F1–F11) and the trait `# Behavior` bullets.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,14 +10,19 @@ use async_trait::async_trait;
 use outbox_consumer_inbox::{ConsumerConfig, EffectKind, Handled};
 use outbox_core::store::all_rows;
 use outbox_core::{
-    Acknowledge, Completion, DeadLetter, DeadLetterReason, Delivery, Destination, ErrorKind, Event, EventId,
-    InboxAdmin, ManualClock, Outcome, RowStatus,
+    Acknowledge, Backoff, Completion, ConsumerGroup, DeadLetter, DeadLetterReason, Delivery, Destination, ErrorKind,
+    Event, EventId, InboxAdmin, Lease, ManualClock, Outcome, RelayConfig, Retry, RowSnapshot, RowStatus,
 };
 
+use crate::engines::Engines;
+use crate::faults::{EffectsThrough, FailingCommit, Faulty};
 use crate::harness::{Capability, Harness};
 use crate::invariants::{Violation, judge};
 use crate::script::{Action, parse_path};
-use crate::world::{CONSUMER, DurableState, LEASE, World, suite_consumer, suite_consumer_with, suite_group};
+use crate::world::{
+    CONSUMER, DurableState, LEASE, MAX_DELIVERIES, World, drain_bounded, next_bounded, suite_consumer,
+    suite_consumer_with, suite_group,
+};
 
 /// What a case checks after the full drain, beyond the generic invariants.
 #[derive(Debug, Clone)]
@@ -274,6 +279,22 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "broker_unbound_destination_is_unroutable_or_retained",
+            class: "Broker::publish",
+            property: "a publish to a declared destination no group is bound to is an Unroutable error (the row \
+                       stays unpublished) or is kept for a group that joins later; never accepted and dropped",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "broker_groups_receive_only_their_destination",
+            class: "Broker::subscribe",
+            property: "a group receives only its own destination's events, also when destination and group \
+                       names joined with '.' are equal: (d.eu, billing) and (d, eu.billing)",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_claim_skips_live_leases",
             class: "OutboxStore::claim",
             property: "concurrent claims never return a row while its lease is valid; every claim increments the token",
@@ -281,9 +302,25 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_concurrent_claims_never_share_a_row",
+            class: "OutboxStore::claim",
+            property: "claimers running at once never get a row while its lease is valid, and each of them \
+                       stops once nothing is claimable",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_token_fences_same_owner",
             class: "OutboxStore::complete",
             property: "the token, not the owner name, fences: an older claim by the same owner is rejected",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "store_complete_many_answers_each_row_as_complete_would",
+            class: "OutboxStore::complete_many",
+            property: "each row of a batch is published or fenced by its own lease (owner and token), as \
+                       complete would answer it; fenced rows change nothing",
             needs: &[],
             body: Function,
         },
@@ -320,6 +357,37 @@ pub fn all_cases() -> Vec<Case> {
             class: "InboxAdmin::remove_dead_letters",
             property: "removes exactly the given ids of the given consumer; a later failure of the event counts \
                        from 1 again",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "relay_transient_failure_is_retried_not_completed",
+            class: "Relay",
+            property: "a row whose publish failed transiently goes back to pending with attempts + 1 and is not \
+                       marked published; later rows of its key wait for it",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "relay_one_key_is_published_one_at_a_time_in_row_order",
+            class: "Relay",
+            property: "rows of one key are never published concurrently and reach the broker in row order",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "relay_shutdown_releases_unpublished_rows",
+            class: "Relay::run",
+            property: "on shutdown the publish in flight finishes and is completed; claimed rows not yet \
+                       published are released: none stays leased, no attempt is counted",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "inbox_commit_failure_is_not_acknowledged",
+            class: "Inbox::commit / Delivery::ack",
+            property: "when the inbox commit fails after the effect, nothing is acknowledged: the delivery comes \
+                       back and its effect commits exactly once",
             needs: &[],
             body: Function,
         },
@@ -468,11 +536,19 @@ pub async fn run_script<H: Harness>(
     })))
 }
 
-/// Run one case by name.
+/// Run one case by name, with the reference relay and consumer runtime.
 ///
 /// # Errors
 /// Setup failures (server unreachable, fixture could not be built).
 pub async fn run_case<H: Harness>(harness: &H, case: &Case) -> outbox_core::Result<CaseResult> {
+    run_case_with(harness, case, &Engines::default()).await
+}
+
+/// Run one case by name, driving the backend with `engines` (the teeth test passes wrong ones).
+///
+/// # Errors
+/// Setup failures (server unreachable, fixture could not be built).
+pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engines) -> outbox_core::Result<CaseResult> {
     let caps = harness.capabilities();
     if let Some(missing) = case.needs.iter().find(|c| !caps.has(**c)) {
         return Ok(CaseResult::Skipped(*missing));
@@ -492,6 +568,18 @@ pub async fn run_case<H: Harness>(harness: &H, case: &Case) -> outbox_core::Resu
             "broker_acked_not_redelivered" => broker_acked_not_redelivered(harness).await,
             "broker_nack_redelivers" => broker_nack_redelivers(harness).await,
             "broker_unroutable_is_error" => broker_unroutable_is_error(harness).await,
+            "broker_unbound_destination_is_unroutable_or_retained" => {
+                broker_unbound_destination(harness, engines).await
+            }
+            "broker_groups_receive_only_their_destination" => {
+                broker_groups_receive_only_their_destination(harness).await
+            }
+            "store_concurrent_claims_never_share_a_row" => store_concurrent_claims(harness).await,
+            "store_complete_many_answers_each_row_as_complete_would" => store_complete_many(harness).await,
+            "relay_transient_failure_is_retried_not_completed" => relay_transient_failure(harness, engines).await,
+            "relay_one_key_is_published_one_at_a_time_in_row_order" => relay_key_order(harness, engines).await,
+            "relay_shutdown_releases_unpublished_rows" => relay_shutdown_releases(harness, engines).await,
+            "inbox_commit_failure_is_not_acknowledged" => inbox_commit_failure(harness, engines).await,
             "store_claim_skips_live_leases" => store_claim_skips_live_leases(harness).await,
             "store_token_fences_same_owner" => store_token_fences_same_owner(harness).await,
             "store_transitions_are_token_conditional" => store_transitions_are_token_conditional(harness).await,
@@ -535,7 +623,7 @@ async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<Case
         let mut pair = Vec::new();
         let deadline = Instant::now() + wait.max(Duration::from_secs(5)) * 2;
         while pair.len() < 2 && Instant::now() < deadline {
-            if let Some(d) = sub.next(wait.max(Duration::from_millis(50))).await? {
+            if let Some(d) = next_bounded(sub.as_mut(), wait.max(Duration::from_millis(50))).await? {
                 pair.push(d);
             }
         }
@@ -565,7 +653,8 @@ async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<Case
         }
     }
     // Losers were negatively acknowledged: their redeliveries must be duplicates.
-    consumer.drain(sub.as_mut(), wait).await?;
+    let (_, quiet) = drain_bounded(&consumer, sub.as_mut(), wait, MAX_DELIVERIES).await?;
+    ensure!(CASE, quiet, "the group was still receiving after {MAX_DELIVERIES} deliveries");
     drop(sub);
     let effects = fx.effects.rows().await?;
     let mut counts: BTreeMap<&EventId, usize> = BTreeMap::new();
@@ -765,7 +854,7 @@ async fn receive_within(
     // Wait for a condition with a deadline: several polls within the backend's delivery wait.
     let deadline = Instant::now() + wait.max(Duration::from_millis(200)) * 3;
     loop {
-        if let Some(d) = sub.next(wait.max(Duration::from_millis(10))).await? {
+        if let Some(d) = next_bounded(sub, wait.max(Duration::from_millis(10))).await? {
             return Ok(Some(d));
         }
         if Instant::now() >= deadline {
@@ -848,7 +937,7 @@ async fn broker_acked_not_redelivered<H: Harness>(h: &H) -> outbox_core::Result<
     let mut first = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
     let mut acked = None;
     let mut held = Vec::new();
-    while acked.is_none() {
+    while acked.is_none() && held.len() < MAX_DELIVERIES {
         let Some(d) = receive_within(first.as_mut(), wait).await? else { break };
         if d.event.id == a.id {
             acked = Some(d.event.id.clone());
@@ -1082,6 +1171,540 @@ async fn store_stats<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
         s.oldest_pending_age
     );
     Ok(CaseResult::Passed(format!("{s:?}")))
+}
+
+/// How long a case waits for a relay to do what it was asked (start a publish, stop after
+/// shutdown) before failing with a message.
+const RELAY_WAIT: Duration = Duration::from_secs(30);
+
+/// The relay configuration of the relay cases: no backoff (a failed row is due again at once),
+/// several lanes in flight, the suite's lease.
+fn relay_config(owner: &str) -> RelayConfig {
+    RelayConfig {
+        owner: owner.into(),
+        batch_size: 64,
+        lease: LEASE,
+        concurrency: 8,
+        max_attempts: 10,
+        backoff: Backoff::none(),
+        idle_poll: Duration::from_millis(20),
+        seed: Some(1),
+        ..RelayConfig::default()
+    }
+}
+
+/// A fixture, its clock, and `keys.len()` events enqueued (in one transaction) with those keys,
+/// after the suite's group was declared (so that it receives all of them).
+async fn keyed_fixture<H: Harness>(
+    h: &H,
+    case: &str,
+    keys: &[&str],
+) -> outbox_core::Result<(crate::harness::Fixture<H::Inbox>, ManualClock, Vec<Event>)> {
+    let clock = ManualClock::default();
+    let fx = h.fixture(case, clock.clone()).await?;
+    fx.broker.declare(&fx.destination, &[suite_group()]).await?;
+    let tag = crate::world::unique_tag();
+    let events: Vec<Event> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let id = EventId::new(format!("{case}.{tag}.e{i}"))?;
+            Ok(Event::new(id, fx.destination.clone(), format!("credit:{k}:{i}")).with_key(*k))
+        })
+        .collect::<outbox_core::Result<_>>()?;
+    fx.store.enqueue(&events).await?;
+    Ok((fx, clock, events))
+}
+
+fn row_of<'a>(rows: &'a [RowSnapshot], e: &Event) -> Option<&'a RowSnapshot> {
+    rows.iter().find(|r| r.event.id == e.id)
+}
+
+fn describe(r: &RowSnapshot) -> String {
+    format!(
+        "{} {:?} attempts={} token={} owner={:?} published_token={:?}",
+        r.event.id, r.status, r.attempts, r.token, r.owner, r.published_token
+    )
+}
+
+/// Receive and acknowledge until every id of `want` arrived (or nothing more comes within the
+/// backend's delivery wait); returns everything received, in order.
+async fn receive_ids(
+    sub: &mut dyn outbox_core::Subscription,
+    want: &[EventId],
+    wait: Duration,
+) -> outbox_core::Result<Vec<Event>> {
+    let mut missing: BTreeSet<&EventId> = want.iter().collect();
+    let mut got = Vec::new();
+    while !missing.is_empty() && got.len() < want.len() * 4 + 8 {
+        let Some(d) = receive_within(sub, wait).await? else { break };
+        missing.remove(&d.event.id);
+        got.push(d.event.clone());
+        d.ack().await?;
+    }
+    Ok(got)
+}
+
+/// Where each key's events first appear in `received` is out of row order: `(key, expected,
+/// received)` for the first such key.
+fn key_order_broken(events: &[Event], received: &[Event]) -> Option<(String, Vec<EventId>, Vec<EventId>)> {
+    let mut keys: Vec<&String> = events.iter().filter_map(|e| e.key.as_ref()).collect();
+    keys.dedup();
+    let keys: BTreeSet<&String> = keys.into_iter().collect();
+    for key in keys {
+        let want: Vec<EventId> = events.iter().filter(|e| e.key.as_ref() == Some(key)).map(|e| e.id.clone()).collect();
+        let mut got: Vec<EventId> = Vec::new();
+        for e in received.iter().filter(|e| e.key.as_ref() == Some(key)) {
+            if !got.contains(&e.id) {
+                got.push(e.id.clone());
+            }
+        }
+        if got != want {
+            return Some((key.clone(), want, got));
+        }
+    }
+    None
+}
+
+async fn store_complete_many<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_complete_many_answers_each_row_as_complete_would";
+    let (fx, clock, _) = store_fixture(h, CASE, 6).await?;
+    let a = fx.store.claim("relay-A", 6, LEASE).await?;
+    ensure!(CASE, a.len() == 6, "claimed {} of 6 rows", a.len());
+    // Row 4 is published before the batch: completing it again is fenced.
+    let done = fx.store.complete(a[4].record.row_id, &a[4].lease).await?;
+    ensure!(CASE, done == Completion::Published, "completing row 4 with its own lease was {done:?}");
+    // A's leases expire; B re-claims rows 0 and 1: A's tokens for them are stale now. Rows 2, 3
+    // and 5 are expired but not re-claimed: A's tokens are still the latest.
+    clock.advance(LEASE + Duration::from_millis(1));
+    let b = fx.store.claim("relay-B", 2, LEASE).await?;
+    ensure!(
+        CASE,
+        b.len() == 2 && b[0].record.row_id == a[0].record.row_id && b[1].record.row_id == a[1].record.row_id,
+        "B's claim of 2 should return rows 0 and 1, got {:?}",
+        b.iter().map(|c| c.record.row_id).collect::<Vec<_>>()
+    );
+    let foreign = Lease { owner: "relay-X".into(), ..a[3].lease.clone() };
+    let batch: Vec<(&str, (i64, Lease), Completion)> = vec![
+        ("row 2, A's latest token", (a[2].record.row_id, a[2].lease.clone()), Completion::Published),
+        ("row 0, A's stale token", (a[0].record.row_id, a[0].lease.clone()), Completion::Fenced),
+        ("row 3, right token, another owner", (a[3].record.row_id, foreign), Completion::Fenced),
+        ("row 5, A's latest token", (a[5].record.row_id, a[5].lease.clone()), Completion::Published),
+        ("row 1, A's stale token", (a[1].record.row_id, a[1].lease.clone()), Completion::Fenced),
+        ("row 4, already published", (a[4].record.row_id, a[4].lease.clone()), Completion::Fenced),
+    ];
+    let input: Vec<(i64, Lease)> = batch.iter().map(|(_, r, _)| r.clone()).collect();
+    let answers = fx.store.complete_many(&input).await?;
+    ensure!(
+        CASE,
+        answers.len() == input.len(),
+        "complete_many answered {} results for {} rows",
+        answers.len(),
+        input.len()
+    );
+    for ((what, _, want), got) in batch.iter().zip(&answers) {
+        ensure!(CASE, got == want, "complete_many for {what}: {got:?}, expected {want:?} (all answers: {answers:?})");
+    }
+    let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(CASE, rows.len() == 6, "{} rows", rows.len());
+    for (i, claim) in a.iter().enumerate() {
+        let r = &rows[i];
+        let ok = match i {
+            2 | 4 | 5 => r.status == RowStatus::Published && r.published_token == Some(claim.lease.token),
+            0 | 1 => {
+                r.published_token.is_none() && r.owner.as_deref() == Some("relay-B") && r.token == b[i].lease.token
+            }
+            _ => r.published_token.is_none() && r.status == RowStatus::Pending && r.token == claim.lease.token,
+        };
+        ensure!(CASE, ok, "after complete_many row {i} is {}", describe(r));
+    }
+    let again = fx
+        .store
+        .complete_many(&[(b[0].record.row_id, b[0].lease.clone()), (b[1].record.row_id, b[1].lease.clone())])
+        .await?;
+    ensure!(CASE, again == [Completion::Published; 2], "B's complete_many of its rows: {again:?}");
+    ensure!(CASE, fx.store.complete_many(&[]).await?.is_empty(), "complete_many of nothing answered something");
+    let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(
+        CASE,
+        rows[0].published_token == Some(b[0].lease.token) && rows[1].published_token == Some(b[1].lease.token),
+        "rows 0 and 1 after B's completion: {} / {}",
+        describe(&rows[0]),
+        describe(&rows[1])
+    );
+    Ok(CaseResult::Passed(format!("answers {answers:?}")))
+}
+
+async fn store_concurrent_claims<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_concurrent_claims_never_share_a_row";
+    const ROWS: usize = 24;
+    const CLAIMERS: usize = 4;
+    let (fx, _clock, _) = store_fixture(h, CASE, ROWS).await?;
+    let tasks: Vec<_> = (0..CLAIMERS)
+        .map(|i| {
+            let store = fx.store.clone();
+            tokio::spawn(async move {
+                let owner = format!("relay-{i}");
+                let mut got = Vec::new();
+                // Every non-empty claim takes at least one of ROWS rows: more non-empty claims
+                // than rows means rows are handed out again while their leases are valid.
+                for _ in 0..=ROWS {
+                    let batch = store.claim(&owner, 3, LEASE).await?;
+                    if batch.is_empty() {
+                        return Ok::<_, outbox_core::Error>((owner, got, true));
+                    }
+                    got.extend(batch.into_iter().map(|c| (c.record.row_id, c.lease.token)));
+                }
+                Ok((owner, got, false))
+            })
+        })
+        .collect();
+    let mut all: Vec<(i64, u64, String)> = Vec::new();
+    for t in tasks {
+        let Ok(joined) = tokio::time::timeout(RELAY_WAIT, t).await else {
+            return Ok(CaseResult::fail(CASE, "", format!("a claimer did not finish within {RELAY_WAIT:?}")));
+        };
+        let (owner, got, finished) =
+            joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("claimer task: {e}")))??;
+        ensure!(
+            CASE,
+            finished,
+            "{owner} was still getting rows after {} claims ({} rows for {ROWS} enqueued): rows are claimed again \
+             while their leases are valid",
+            ROWS + 1,
+            got.len()
+        );
+        all.extend(got.into_iter().map(|(row, token)| (row, token, owner.clone())));
+    }
+    let mut by_row: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+    for (row, _, owner) in &all {
+        by_row.entry(*row).or_default().push(owner.clone());
+    }
+    if let Some((row, owners)) = by_row.iter().find(|(_, o)| o.len() > 1) {
+        return Ok(CaseResult::fail(CASE, "", format!("row {row} was claimed by {owners:?} under one live lease")));
+    }
+    ensure!(CASE, by_row.len() == ROWS, "{} of {ROWS} rows were claimed", by_row.len());
+    ensure!(CASE, all.iter().all(|(_, t, _)| *t == 1), "a row claimed once has a token other than 1: {all:?}");
+    Ok(CaseResult::Passed(format!("{CLAIMERS} claimers took {ROWS} rows, each once")))
+}
+
+async fn relay_transient_failure<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "relay_transient_failure_is_retried_not_completed";
+    let (fx, _clock, events) = keyed_fixture(h, CASE, &["k1", "k1", "k2"]).await?;
+    let wait = h.capabilities().delivery_wait;
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let faulty = Faulty::new(fx.broker.clone());
+    faulty.fail_next(&events[0].id, ErrorKind::Connection, Retry::Transient);
+    let relay = engines.relay(fx.store.clone(), faulty.shared(), relay_config("relay-A"));
+    let first = relay.run_once().await?;
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let (Some(r0), Some(r1), Some(r2)) =
+        (row_of(&rows, &events[0]), row_of(&rows, &events[1]), row_of(&rows, &events[2]))
+    else {
+        return Ok(CaseResult::fail(CASE, "", format!("rows missing: {rows:?}")));
+    };
+    ensure!(
+        CASE,
+        r0.status == RowStatus::Pending && r0.attempts == 1 && r0.published_token.is_none(),
+        "the row whose publish failed transiently is {}: it must go back to pending with attempts 1 and never be \
+         completed (batch: {first:?})",
+        describe(r0)
+    );
+    ensure!(
+        CASE,
+        r1.status != RowStatus::Published && !faulty.log().accepted.contains(&events[1].id),
+        "{} was published in the batch where {}, earlier in its key, failed: key order broken ({})",
+        events[1].id,
+        events[0].id,
+        describe(r1)
+    );
+    ensure!(
+        CASE,
+        r2.status == RowStatus::Published && r2.published_token == Some(r2.token),
+        "the row of another key was not published: {}",
+        describe(r2)
+    );
+    // The failed row is due again at once (no backoff): the next batches publish the rest.
+    for _ in 0..3 {
+        if relay.run_once().await?.claimed == 0 {
+            break;
+        }
+    }
+    let rows = all_rows(fx.store.as_ref()).await?;
+    for e in &events {
+        let r = row_of(&rows, e);
+        ensure!(
+            CASE,
+            r.is_some_and(|r| r.status == RowStatus::Published && r.published_token == Some(r.token)),
+            "after the retry {} is {}",
+            e.id,
+            r.map_or("missing".into(), describe)
+        );
+    }
+    ensure!(CASE, row_of(&rows, &events[0]).is_some_and(|r| r.attempts == 1), "attempts of the retried row changed");
+    let ids: Vec<EventId> = events.iter().map(|e| e.id.clone()).collect();
+    let received = receive_ids(sub.as_mut(), &ids, wait).await?;
+    for id in &ids {
+        ensure!(CASE, received.iter().any(|e| &e.id == id), "{id} never reached the broker");
+    }
+    if let Some((key, want, got)) = key_order_broken(&events, &received) {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!("key {key} reached the broker as {got:?}, row order is {want:?}"),
+        ));
+    }
+    Ok(CaseResult::Passed(format!("first batch {first:?}; retried row published after its failure")))
+}
+
+async fn relay_key_order<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "relay_one_key_is_published_one_at_a_time_in_row_order";
+    let keys: Vec<&str> = (0..4).flat_map(|_| ["ka", "kb", "kc"]).collect();
+    let (fx, _clock, events) = keyed_fixture(h, CASE, &keys).await?;
+    let wait = h.capabilities().delivery_wait;
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let faulty = Faulty::new(fx.broker.clone());
+    let relay = engines.relay(fx.store.clone(), faulty.shared(), relay_config("relay-A"));
+    for _ in 0..4 {
+        if relay.run_once().await?.claimed == 0 {
+            break;
+        }
+    }
+    let log = faulty.log();
+    if let Some((key, n)) = log.overlapping_keys.iter().next() {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!("{n} rows of key {key} were being published at the same time (publish calls: {:?})", log.started),
+        ));
+    }
+    let rows = all_rows(fx.store.as_ref()).await?;
+    for e in &events {
+        let r = row_of(&rows, e);
+        ensure!(
+            CASE,
+            r.is_some_and(|r| r.status == RowStatus::Published),
+            "{} is {}",
+            e.id,
+            r.map_or("missing".into(), describe)
+        );
+    }
+    let ids: Vec<EventId> = events.iter().map(|e| e.id.clone()).collect();
+    let received = receive_ids(sub.as_mut(), &ids, wait).await?;
+    ensure!(CASE, ids.iter().all(|id| received.iter().any(|e| &e.id == id)), "not every event reached the broker");
+    if let Some((key, want, got)) = key_order_broken(&events, &received) {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!("key {key} reached the broker as {got:?}, row order is {want:?}"),
+        ));
+    }
+    Ok(CaseResult::Passed(format!("{} rows of 3 keys, one publish per key at a time, in row order", events.len())))
+}
+
+async fn relay_shutdown_releases<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "relay_shutdown_releases_unpublished_rows";
+    let (fx, _clock, events) = keyed_fixture(h, CASE, &["k", "k", "k"]).await?;
+    let faulty = Faulty::new(fx.broker.clone());
+    let hold = faulty.hold_next();
+    let relay = engines.relay(fx.store.clone(), faulty.shared(), relay_config("relay-A"));
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run().await }
+    });
+    if !hold.started.wait(RELAY_WAIT).await {
+        running.abort();
+        return Ok(CaseResult::fail(CASE, "", format!("the relay started no publish within {RELAY_WAIT:?}")));
+    }
+    relay.shutdown();
+    hold.release.open();
+    let totals = match tokio::time::timeout(RELAY_WAIT, running).await {
+        Ok(joined) => joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("relay task: {e}")))??,
+        Err(_) => {
+            return Ok(CaseResult::fail(
+                CASE,
+                "",
+                format!("the relay did not stop within {RELAY_WAIT:?} of the shutdown (its held publish was released)"),
+            ));
+        }
+    };
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let held = faulty.log().started.first().cloned();
+    let mut released = 0;
+    for e in &events {
+        let Some(r) = row_of(&rows, e) else { return Ok(CaseResult::fail(CASE, "", format!("{} has no row", e.id))) };
+        ensure!(CASE, r.status != RowStatus::Leased, "after shutdown {} is still leased: {}", e.id, describe(r));
+        if Some(&e.id) == held.as_ref() {
+            ensure!(
+                CASE,
+                r.status == RowStatus::Published && r.published_token == Some(r.token),
+                "the publish in flight at shutdown finished but its row was not completed: {}",
+                describe(r)
+            );
+        } else if r.status != RowStatus::Published {
+            ensure!(CASE, r.attempts == 0, "a row released at shutdown counted an attempt: {}", describe(r));
+            released += 1;
+        }
+    }
+    ensure!(
+        CASE,
+        released > 0,
+        "no row was left to release: every row of the key was published although the shutdown came while the first \
+         was in flight ({totals:?})"
+    );
+    Ok(CaseResult::Passed(format!("{released} rows released; totals {totals:?}")))
+}
+
+async fn inbox_commit_failure<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "inbox_commit_failure_is_not_acknowledged";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let e = Event::new(EventId::new(format!("{CASE}.{}", crate::world::unique_tag()))?, fx.destination.clone(), CREDIT);
+    fx.broker.publish(&e).await?;
+    let failing = FailingCommit::new((fx.restart_inbox)(), 1);
+    let consumer = suite_consumer(failing, Arc::new(EffectsThrough(fx.effects.clone())), EffectKind::Additive);
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let Some(d) = receive_within(sub.as_mut(), wait).await? else {
+        return Ok(CaseResult::fail(CASE, "", format!("{} was not delivered", e.id)));
+    };
+    let handled = engines.process(&consumer, d).await?;
+    ensure!(CASE, consumer.inbox().failed() == 1, "the consumer never committed ({handled:?})");
+    ensure!(CASE, matches!(handled, Handled::Retry { .. }), "a failed commit was reported as {handled:?}");
+    let effects = |rows: Vec<crate::harness::EffectRow>| rows.into_iter().filter(|r| r.event_id == e.id).count();
+    ensure!(CASE, effects(fx.effects.rows().await?) == 0, "the failed commit left an effect");
+    ensure!(
+        CASE,
+        !fx.inbox.markers(CONSUMER).await?.iter().any(|m| m.event_id == e.id),
+        "the failed commit left a marker"
+    );
+    drop(sub); // the consumer goes away: whatever it left unacknowledged comes back
+    let broker = (fx.restart_broker)();
+    let fresh = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let mut sub = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let mut handled = Vec::new();
+    if let Some(d) = receive_within(sub.as_mut(), wait).await? {
+        handled.push(fresh.process(d).await?);
+        let (more, _) = drain_bounded(&fresh, sub.as_mut(), wait, MAX_DELIVERIES).await?;
+        handled.extend(more);
+    }
+    drop(sub);
+    let n = effects(fx.effects.rows().await?);
+    ensure!(
+        CASE,
+        n != 0,
+        "{} was acknowledged although its commit failed: it never came back and its effect is lost",
+        e.id
+    );
+    ensure!(CASE, n == 1, "{n} effects for {} after the redelivery", e.id);
+    ensure!(
+        CASE,
+        fx.inbox.markers(CONSUMER).await?.iter().any(|m| m.event_id == e.id),
+        "no marker after the redelivery applied the effect"
+    );
+    Ok(CaseResult::Passed(format!("commit failed, not acknowledged; redelivery: {handled:?}")))
+}
+
+async fn broker_unbound_destination<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_unbound_destination_is_unroutable_or_retained";
+    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    let wait = h.capabilities().delivery_wait;
+    fx.broker.declare(&fx.destination, &[]).await?;
+    let e = Event::new(EventId::new(format!("{CASE}.{}", crate::world::unique_tag()))?, fx.destination.clone(), CREDIT);
+    fx.store.enqueue(std::slice::from_ref(&e)).await?;
+    let faulty = Faulty::new(fx.broker.clone());
+    let relay = engines.relay(fx.store.clone(), faulty.shared(), relay_config("relay-A"));
+    let report = relay.run_once().await?;
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let Some(row) = row_of(&rows, &e) else { return Ok(CaseResult::fail(CASE, "", "the row is gone")) };
+    let log = faulty.log();
+    if let Some((_, kind, _, message)) = log.failed.first() {
+        ensure!(
+            CASE,
+            *kind == ErrorKind::Unroutable,
+            "publishing to a declared destination without groups failed with {kind:?} ({message}); expected success \
+             or Unroutable"
+        );
+        ensure!(
+            CASE,
+            row.status != RowStatus::Published && row.published_token.is_none(),
+            "the row whose publish was unroutable is marked published: {}",
+            describe(row)
+        );
+        ensure!(
+            CASE,
+            h.capabilities().has(Capability::DetectsUnroutable),
+            "the broker reports Unroutable but the harness does not declare the capability"
+        );
+        return Ok(CaseResult::Passed(format!("Unroutable ({message}); the row stays {}", describe(row))));
+    }
+    ensure!(
+        CASE,
+        log.accepted.contains(&e.id) && row.status == RowStatus::Published,
+        "the publish neither failed nor was completed: {} (batch {report:?})",
+        describe(row)
+    );
+    // Accepted: it must be kept for a group that joins now.
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let got = receive_within(sub.as_mut(), wait).await?;
+    let kept = got.as_ref().is_some_and(|d| d.event == e);
+    if let Some(d) = got {
+        d.ack().await?;
+    }
+    ensure!(
+        CASE,
+        kept,
+        "the broker accepted {} for a destination no group was bound to, and a group that joined afterwards never \
+         received it: the message was dropped (as an AMQP publish without `mandatory` is)",
+        e.id
+    );
+    Ok(CaseResult::Passed("accepted and kept for a group that joined later".into()))
+}
+
+async fn broker_groups_receive_only_their_destination<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_groups_receive_only_their_destination";
+    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    let wait = h.capabilities().delivery_wait;
+    // (d.eu, billing) and (d, eu.billing): equal when joined with '.'.
+    let pairs = [
+        (Destination::new(format!("{}.eu", fx.destination))?, ConsumerGroup::new("billing")?),
+        (fx.destination.clone(), ConsumerGroup::new("eu.billing")?),
+    ];
+    let tag = crate::world::unique_tag();
+    let mut events = Vec::new();
+    for (i, (d, g)) in pairs.iter().enumerate() {
+        fx.broker.declare(d, std::slice::from_ref(g)).await?;
+        events.push(Event::new(EventId::new(format!("{CASE}.{tag}.e{i}"))?, d.clone(), CREDIT));
+    }
+    for e in &events {
+        fx.broker.publish(e).await?;
+    }
+    let mut notes = Vec::new();
+    for (i, (d, g)) in pairs.iter().enumerate() {
+        let (own, other) = (&events[i], &events[1 - i]);
+        let mut sub = fx.broker.subscribe(d, g).await?;
+        let mut seen = Vec::new();
+        if let Some(first) = receive_within(sub.as_mut(), wait).await? {
+            seen.push(first.event.id.clone());
+            first.ack().await?;
+            // Whatever else is there arrives within the delivery wait.
+            while seen.len() < MAX_DELIVERIES {
+                let Some(d) = next_bounded(sub.as_mut(), wait).await? else { break };
+                seen.push(d.event.id.clone());
+                d.ack().await?;
+            }
+        }
+        drop(sub);
+        ensure!(
+            CASE,
+            !seen.contains(&other.id),
+            "group {g} of {d} received {}, published to {}: the two (destination, group) pairs share a queue \
+             (their names joined with '.' are equal); it saw {seen:?}",
+            other.id,
+            other.destination
+        );
+        ensure!(CASE, seen.contains(&own.id), "group {g} of {d} never received its own {} (saw {seen:?})", own.id);
+        notes.push(format!("({d}, {g}) got {} message(s)", seen.len()));
+    }
+    Ok(CaseResult::Passed(notes.join("; ")))
 }
 
 /// Replay a path printed by a counterexample on `harness`.

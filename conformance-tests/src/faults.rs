@@ -86,9 +86,12 @@ pub struct PublishLog {
     pub overlapping_keys: BTreeMap<String, usize>,
 }
 
+/// An injected failure: kind, retry class, message.
+type Injected = (ErrorKind, Retry, String);
+
 #[derive(Default)]
 struct FaultState {
-    failures: Mutex<HashMap<EventId, VecDeque<(ErrorKind, Retry, String)>>>,
+    failures: Mutex<HashMap<EventId, VecDeque<Injected>>>,
     hold: Mutex<Option<Arc<Hold>>>,
     in_flight: Mutex<HashMap<String, usize>>,
     log: Mutex<PublishLog>,

@@ -4,13 +4,21 @@
 //! The suite never asks a backend "did it work?". It runs actions against the components and
 //! then reads durable state back — outbox rows, broker contents, inbox markers, effect rows —
 //! and judges that.
+//!
+//! A backend is half of a deployment: a store is used with any broker and a broker with any
+//! store. So each adapter ships one half ([`StoreHarness`] or [`BrokerHarness`]) and
+//! [`Combined`] pairs any two into the [`Harness`] the suite runs — the in-memory halves for an
+//! adapter's own run, two real ones for the store × broker matrix.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryOutbox};
 use outbox_core::{Broker, Destination, EventId, Inbox, ManualClock, OutboxStore, Result};
+
+use crate::reference::{MemoryEffects, memory_capabilities};
 
 /// One row of the business effect table: what a consumer durably did for one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,4 +148,242 @@ pub trait Harness: Send + Sync + 'static {
 
     /// Fresh, isolated components for the case `case`.
     async fn fixture(&self, case: &str, clock: ManualClock) -> Result<Fixture<Self::Inbox>>;
+}
+
+/// The store half of a fixture: the producer's outbox and the consumer's inbox with its effect
+/// table, all on the case's [`ManualClock`].
+pub struct StoreFixture<I: Inbox> {
+    /// The producer's outbox (built on the case's [`ManualClock`]).
+    pub store: Arc<dyn OutboxStore>,
+    /// The consumer's inbox (shared durable state).
+    pub inbox: I,
+    /// The consumer's effect table, in the inbox's store.
+    pub effects: Arc<dyn EffectTable<I>>,
+    /// Builds the inbox handle of a restarted consumer process (default: a clone of `inbox`).
+    pub restart_inbox: Arc<dyn Fn() -> I + Send + Sync>,
+}
+
+impl<I: Inbox + Clone> StoreFixture<I> {
+    /// A store fixture whose restarted consumers share `inbox`.
+    pub fn new(store: Arc<dyn OutboxStore>, inbox: I, effects: Arc<dyn EffectTable<I>>) -> Self {
+        let i = inbox.clone();
+        Self { store, inbox, effects, restart_inbox: Arc::new(move || i.clone()) }
+    }
+}
+
+/// The broker half of a fixture: a broker and a destination no other fixture uses.
+pub struct BrokerFixture {
+    /// The broker.
+    pub broker: Arc<dyn Broker>,
+    /// A destination unique to this fixture.
+    pub destination: Destination,
+    /// Builds the broker handle of a restarted process (default: the same broker).
+    pub restart_broker: Arc<dyn Fn() -> Arc<dyn Broker> + Send + Sync>,
+}
+
+impl BrokerFixture {
+    /// A broker fixture whose restarted processes share `broker`.
+    pub fn new(broker: Arc<dyn Broker>, destination: Destination) -> Self {
+        let b = broker.clone();
+        Self { broker, destination, restart_broker: Arc::new(move || b.clone()) }
+    }
+}
+
+/// The store side of a backend under test: an outbox store, an inbox and an effect table.
+///
+/// Combined with any [`BrokerHarness`] by [`Combined`], so a store is judged with every broker
+/// (and a broker with every store) without either knowing the other.
+#[async_trait]
+pub trait StoreHarness: Send + Sync + 'static {
+    /// The consumer-side store.
+    type Inbox: Inbox;
+
+    /// Name shown in reports (`"sqlite store + sqlite inbox"`).
+    fn name(&self) -> String;
+
+    /// Whether fixtures are cheap enough for the bounded exhaustive exploration (thousands of
+    /// fixtures per run).
+    fn exhaustive(&self) -> bool;
+
+    /// The most sampled permutation paths per run this store affords (the combination takes the
+    /// smaller of the store's and the broker's).
+    fn sampled_iterations(&self) -> u32 {
+        200
+    }
+
+    /// Fresh, isolated store components for the case `case`, taking time from `clock`.
+    async fn fixture(&self, case: &str, clock: ManualClock) -> Result<StoreFixture<Self::Inbox>>;
+}
+
+/// The broker side of a backend under test.
+#[async_trait]
+pub trait BrokerHarness: Send + Sync + 'static {
+    /// Name shown in reports (`"redis streams broker"`).
+    fn name(&self) -> String;
+
+    /// What the broker can do, how long to wait for a delivery, and how much exploration it
+    /// affords (`exhaustive` only when fixtures are in-process).
+    fn capabilities(&self) -> Capabilities;
+
+    /// A fresh broker fixture for the case `case`: its destination (and consumer groups, where
+    /// the broker keeps them per name) is used by no other fixture.
+    async fn fixture(&self, case: &str) -> Result<BrokerFixture>;
+}
+
+/// A store half and a broker half judged together: the [`Harness`] the suite runs.
+///
+/// Capabilities and the delivery wait are the broker's; the exhaustive exploration runs only
+/// when both halves are cheap; sampled permutations take the smaller budget of the two (or the
+/// one given by [`Combined::with_sampled_iterations`]).
+pub struct Combined<S, B> {
+    store: S,
+    broker: B,
+    sampled_iterations: Option<u32>,
+}
+
+impl<S: StoreHarness, B: BrokerHarness> Combined<S, B> {
+    /// `store` with `broker`.
+    pub fn new(store: S, broker: B) -> Self {
+        Self { store, broker, sampled_iterations: None }
+    }
+
+    /// Sample `iterations` permutation paths per run instead of the halves' budget
+    /// (`OUTBOX_TEST_ITERATIONS` still overrides).
+    #[must_use]
+    pub fn with_sampled_iterations(mut self, iterations: u32) -> Self {
+        self.sampled_iterations = Some(iterations);
+        self
+    }
+
+    /// The store half.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The broker half.
+    pub fn broker(&self) -> &B {
+        &self.broker
+    }
+}
+
+impl<S, B> fmt::Debug for Combined<S, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Combined").field("sampled_iterations", &self.sampled_iterations).finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl<S: StoreHarness, B: BrokerHarness> Harness for Combined<S, B> {
+    type Inbox = S::Inbox;
+
+    fn name(&self) -> String {
+        format!("{} + {}", self.store.name(), self.broker.name())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let broker = self.broker.capabilities();
+        Capabilities {
+            exhaustive: broker.exhaustive && self.store.exhaustive(),
+            sampled_iterations: self
+                .sampled_iterations
+                .unwrap_or_else(|| broker.sampled_iterations.min(self.store.sampled_iterations())),
+            ..broker
+        }
+    }
+
+    async fn fixture(&self, case: &str, clock: ManualClock) -> Result<Fixture<Self::Inbox>> {
+        let store = self.store.fixture(case, clock).await?;
+        let broker = self.broker.fixture(case).await?;
+        Ok(Fixture {
+            store: store.store,
+            broker: broker.broker,
+            inbox: store.inbox,
+            effects: store.effects,
+            destination: broker.destination,
+            restart_inbox: store.restart_inbox,
+            restart_broker: broker.restart_broker,
+        })
+    }
+}
+
+/// The in-memory reference outbox and inbox ([`MemoryOutbox`], [`MemoryInbox`]): the store half
+/// a broker adapter is judged with.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryStoreHarness;
+
+#[async_trait]
+impl StoreHarness for MemoryStoreHarness {
+    type Inbox = MemoryInbox;
+
+    fn name(&self) -> String {
+        "memory store + memory inbox".into()
+    }
+
+    fn exhaustive(&self) -> bool {
+        true
+    }
+
+    async fn fixture(&self, _case: &str, clock: ManualClock) -> Result<StoreFixture<MemoryInbox>> {
+        let inbox = MemoryInbox::new(Arc::new(clock.clone()));
+        Ok(StoreFixture::new(
+            Arc::new(MemoryOutbox::new(Arc::new(clock))),
+            inbox.clone(),
+            Arc::new(MemoryEffects(inbox)),
+        ))
+    }
+}
+
+/// The in-process reference broker ([`MemoryBroker`]): the broker half a store adapter is
+/// judged with. Every fixture has a broker of its own, so one destination name serves all.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryBrokerHarness;
+
+#[async_trait]
+impl BrokerHarness for MemoryBrokerHarness {
+    fn name(&self) -> String {
+        "memory broker".into()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        memory_capabilities()
+    }
+
+    async fn fixture(&self, _case: &str) -> Result<BrokerFixture> {
+        Ok(BrokerFixture::new(Arc::new(MemoryBroker::new()), Destination::new("suite")?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_combination_takes_the_broker_capabilities_and_the_smaller_budget() {
+        struct Slow;
+        #[async_trait]
+        impl StoreHarness for Slow {
+            type Inbox = MemoryInbox;
+            fn name(&self) -> String {
+                "slow".into()
+            }
+            fn exhaustive(&self) -> bool {
+                false
+            }
+            fn sampled_iterations(&self) -> u32 {
+                7
+            }
+            async fn fixture(&self, case: &str, clock: ManualClock) -> Result<StoreFixture<MemoryInbox>> {
+                MemoryStoreHarness.fixture(case, clock).await
+            }
+        }
+        let fast = Combined::new(MemoryStoreHarness, MemoryBrokerHarness);
+        assert_eq!(fast.name(), "memory store + memory inbox + memory broker");
+        let caps = fast.capabilities();
+        assert!(caps.exhaustive);
+        assert_eq!(caps.present, memory_capabilities().present);
+        let slow = Combined::new(Slow, MemoryBrokerHarness);
+        assert!(!slow.capabilities().exhaustive);
+        assert_eq!(slow.capabilities().sampled_iterations, 7);
+        assert_eq!(slow.with_sampled_iterations(3).capabilities().sampled_iterations, 3);
+    }
 }

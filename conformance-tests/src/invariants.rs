@@ -60,6 +60,9 @@ pub enum Violation {
     },
     /// A case-specific expectation did not hold.
     Expectation(String),
+    /// A step that must end (the recovery relay, a drain) was still going at its bound: the
+    /// suite stops it and reports it instead of hanging.
+    Unfinished(String),
 }
 
 impl fmt::Display for Violation {
@@ -79,6 +82,7 @@ impl fmt::Display for Violation {
                 write!(f, "regressed projection: {subject} went from version {from} to {to}")
             }
             Self::Expectation(s) => write!(f, "expectation failed: {s}"),
+            Self::Unfinished(s) => write!(f, "unfinished: {s}"),
         }
     }
 }
@@ -182,6 +186,7 @@ pub fn judge(state: &DurableState, kind: EffectKind) -> Judgement {
             }
         }
     }
+    v.extend(state.unfinished.iter().cloned().map(Violation::Unfinished));
     let duplicates_offered = state.offers.values().map(|n| n.saturating_sub(1)).sum();
     Judgement { violations: v, duplicates_offered }
 }

@@ -1,7 +1,9 @@
 #![doc = include_str!("../README.md")]
 
 pub mod cases;
+pub mod engines;
 pub mod explore;
+pub mod faults;
 pub mod harness;
 pub mod invariants;
 pub mod mutants;
@@ -11,8 +13,12 @@ pub mod script;
 pub mod service;
 pub mod world;
 
-pub use cases::{Case, CaseResult, Counterexample, all_cases, replay, run_case};
-pub use harness::{Capabilities, Capability, EffectRow, EffectTable, Fixture, Harness};
+pub use cases::{Case, CaseResult, Counterexample, all_cases, replay, run_case, run_case_with};
+pub use engines::{Engines, RelayFactory, RelayUnderTest};
+pub use harness::{
+    BrokerFixture, BrokerHarness, Capabilities, Capability, Combined, EffectRow, EffectTable, Fixture, Harness,
+    MemoryBrokerHarness, MemoryStoreHarness, StoreFixture, StoreHarness,
+};
 pub use reference::MemoryHarness;
 pub use runner::{main, run_all, table};
 pub use service::{amqp_url, in_ci, kafka_url, pg_url, redis_url, require_service, service_addr};

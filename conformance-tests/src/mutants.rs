@@ -3,22 +3,31 @@
 //! Each variant wraps a correct reference component and breaks exactly one rule of the
 //! contract. A suite that passes any of them is not judging what it claims to judge.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_consumer_inbox::{Consumer, Handled, Handler};
 use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryOutbox, MemoryTx};
 use outbox_core::store::all_rows;
 use outbox_core::{
-    Acknowledge, Broker, Claimed, Completion, ConsumerGroup, DeadLetter, Delivery, Destination, Event, EventId,
-    Fingerprint, Inbox, InboxAdmin, Lease, LedgerState, ManualClock, MarkOutcome, Marker, OutboxStats, OutboxStore,
-    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, Subscription, VersionOutcome,
+    Acknowledge, BatchReport, Broker, Claimed, Completion, ConsumerGroup, DeadLetter, Delivery, Destination, Error,
+    ErrorKind, Event, EventId, Fingerprint, Inbox, InboxAdmin, Lease, LedgerState, ManualClock, MarkOutcome, Marker,
+    OutboxStats, OutboxStore, Outcome, ParkedRow, RelayConfig, Result, Retry, RowId, RowSnapshot, RowStatus,
+    Subscription, VersionOutcome,
 };
+use tokio::sync::Notify;
 
+use crate::engines::{ConsumerRuntime, Engines, RelayUnderTest};
 use crate::harness::{Capabilities, EffectRow, EffectTable, Fixture, Harness};
 use crate::reference::{decode_effect, encode_effect, memory_capabilities};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// A wrong variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -39,11 +48,28 @@ pub enum Mutant {
     AckBeforeCommit,
     /// Deduplication in a process-local set that a crash forgets.
     ProcessLocalDedupe,
+    /// `complete_many` that checks the lease of the first row only; the others complete under
+    /// whatever lease they have now.
+    CompleteManyChecksFirstRowOnly,
+    /// A broker that accepts a publish to a destination no group is bound to and drops it (an
+    /// AMQP publisher without `mandatory`).
+    DropsUnboundPublishes,
+    /// A broker that names each group's queue `<destination>.<group>`: `(d.eu, billing)` and
+    /// `(d, eu.billing)` share one queue.
+    JoinedQueueNames,
+    /// A relay that completes a row whose publish failed transiently.
+    RelayCompletesFailedPublish,
+    /// A relay that publishes all rows of a batch at once, whatever their keys.
+    RelayPublishesOneKeyConcurrently,
+    /// A relay that leaves its claimed, unpublished rows leased when it shuts down.
+    RelayKeepsLeasesOnShutdown,
+    /// A consumer runtime that acknowledges after the effect, before the inbox commit.
+    AckThenCommit,
 }
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 8] = [
+    pub const ALL: [Mutant; 15] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -52,7 +78,37 @@ impl Mutant {
         Mutant::EffectFirst,
         Mutant::AckBeforeCommit,
         Mutant::ProcessLocalDedupe,
+        Mutant::CompleteManyChecksFirstRowOnly,
+        Mutant::DropsUnboundPublishes,
+        Mutant::JoinedQueueNames,
+        Mutant::RelayCompletesFailedPublish,
+        Mutant::RelayPublishesOneKeyConcurrently,
+        Mutant::RelayKeepsLeasesOnShutdown,
+        Mutant::AckThenCommit,
     ];
+
+    /// The relay and consumer runtime to run the suite with: wrong ones for the relay and
+    /// consumer variants, the reference ones otherwise (the wrong part is then in
+    /// [`MutantHarness`]).
+    pub fn engines(self) -> Engines {
+        let relay = |fault: Mutant| {
+            Engines::default().with_relay(
+                format!("mutant relay: {fault}"),
+                Arc::new(move |store, broker, config| {
+                    Arc::new(WrongRelay::new(store, broker, config, fault)) as Arc<dyn RelayUnderTest>
+                }),
+            )
+        };
+        match self {
+            Self::RelayCompletesFailedPublish
+            | Self::RelayPublishesOneKeyConcurrently
+            | Self::RelayKeepsLeasesOnShutdown => relay(self),
+            Self::AckThenCommit => {
+                Engines::default().with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckThenCommit)
+            }
+            _ => Engines::default(),
+        }
+    }
 }
 
 impl fmt::Display for Mutant {
@@ -66,6 +122,13 @@ impl fmt::Display for Mutant {
             Self::EffectFirst => "marker and effect in separate transactions (effect first)",
             Self::AckBeforeCommit => "ack before commit",
             Self::ProcessLocalDedupe => "dedupe in a process-local set",
+            Self::CompleteManyChecksFirstRowOnly => "complete_many that checks only the first row's lease",
+            Self::DropsUnboundPublishes => "publish without mandatory: unbound destinations drop messages",
+            Self::JoinedQueueNames => "queue names joined with '.' (destination and group names collide)",
+            Self::RelayCompletesFailedPublish => "relay that completes a row whose publish failed transiently",
+            Self::RelayPublishesOneKeyConcurrently => "relay that publishes one key's rows concurrently",
+            Self::RelayKeepsLeasesOnShutdown => "relay that does not release claimed rows on shutdown",
+            Self::AckThenCommit => "ack inside commit, before the inbox commit",
         })
     }
 }
@@ -150,6 +213,22 @@ impl OutboxStore for MutantStore {
         }
         let lease = self.translate(row, lease).await?;
         self.inner.complete(row, &lease).await
+    }
+
+    async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
+        let mut out = Vec::with_capacity(rows.len());
+        for (i, (row, lease)) in rows.iter().enumerate() {
+            out.push(if self.mode == Mutant::CompleteManyChecksFirstRowOnly && i > 0 {
+                // "The batch's lease was checked": the rest complete under their current lease.
+                match self.current_lease(*row, None).await? {
+                    Some(current) => self.inner.complete(*row, &current).await?,
+                    None => Completion::Fenced,
+                }
+            } else {
+                self.complete(*row, lease).await?
+            });
+        }
+        Ok(out)
     }
 
     async fn fail(&self, row: RowId, lease: &Lease, retry_after: Duration, error: &str) -> Result<Outcome> {
@@ -381,10 +460,15 @@ impl Harness for MutantHarness {
         let mode = self.0;
         let memory = MemoryInbox::new(Arc::new(clock.clone()));
         let store = MutantStore { inner: MemoryOutbox::new(Arc::new(clock)), mode, first_tokens: Mutex::default() };
-        let broker: Arc<dyn Broker> = if mode == Mutant::AckBeforeCommit {
-            Arc::new(AckOnReceipt(MemoryBroker::new()))
-        } else {
-            Arc::new(MemoryBroker::new())
+        let broker: Arc<dyn Broker> = match mode {
+            Mutant::AckBeforeCommit => Arc::new(AckOnReceipt(MemoryBroker::new())),
+            Mutant::DropsUnboundPublishes => {
+                Arc::new(DropsUnbound { inner: MemoryBroker::new(), groups: Mutex::default() })
+            }
+            Mutant::JoinedQueueNames => {
+                Arc::new(JoinedQueues { inner: MemoryBroker::new(), bindings: Mutex::default() })
+            }
+            _ => Arc::new(MemoryBroker::new()),
         };
         let inbox = MutantInbox { inner: memory.clone(), mode, local: Arc::default() };
         let mut fx = Fixture::new(
@@ -398,4 +482,285 @@ impl Harness for MutantHarness {
         fx.restart_inbox = Arc::new(move || MutantInbox { inner: memory.clone(), mode, local: Arc::default() });
         Ok(fx)
     }
+}
+
+/// The reference broker, dropping what is published to a destination no group is bound to.
+struct DropsUnbound {
+    inner: MemoryBroker,
+    groups: Mutex<BTreeMap<Destination, BTreeSet<ConsumerGroup>>>,
+}
+
+#[async_trait]
+impl Broker for DropsUnbound {
+    fn backend(&self) -> &'static str {
+        "mutant"
+    }
+    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> Result<()> {
+        lock(&self.groups).entry(d.clone()).or_default().extend(g.iter().cloned());
+        self.inner.declare(d, g).await
+    }
+    async fn publish(&self, e: &Event) -> Result<()> {
+        if lock(&self.groups).get(&e.destination).is_some_and(BTreeSet::is_empty) {
+            return Ok(()); // "routed to no queue": gone, and the publisher was never told
+        }
+        self.inner.publish(e).await
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        lock(&self.groups).entry(d.clone()).or_default().insert(g.clone());
+        self.inner.subscribe(d, g).await
+    }
+}
+
+/// An AMQP-like model on the reference broker: each destination is an exchange, each group a
+/// queue named `q.<destination>.<group>` bound to it, and a publish goes to every bound queue
+/// (`mandatory`: no queue bound is Unroutable). The join is the bug: two pairs whose joined
+/// names are equal share one queue.
+struct JoinedQueues {
+    inner: MemoryBroker,
+    bindings: Mutex<BTreeMap<Destination, BTreeSet<Destination>>>,
+}
+
+fn queue_group() -> ConsumerGroup {
+    ConsumerGroup::new("queue").expect("valid group name")
+}
+
+impl JoinedQueues {
+    fn queue(d: &Destination, g: &ConsumerGroup) -> Result<Destination> {
+        Destination::new(format!("q.{d}.{g}"))
+    }
+}
+
+/// The event as stored in a queue: its destination is the queue's, so the original one travels
+/// in front of the payload.
+fn envelope(e: &Event, queue: &Destination) -> Event {
+    let d = e.destination.as_str().as_bytes();
+    let mut payload = Vec::with_capacity(1 + d.len() + e.payload.len());
+    payload.push(u8::try_from(d.len()).unwrap_or(u8::MAX));
+    payload.extend_from_slice(d);
+    payload.extend_from_slice(&e.payload);
+    Event { destination: queue.clone(), payload, ..e.clone() }
+}
+
+fn open_envelope(mut e: Event) -> Result<Event> {
+    let bad = || Error::permanent(ErrorKind::Corrupt, "mutant", "bad envelope");
+    let n = usize::from(*e.payload.first().ok_or_else(bad)?);
+    let d = e.payload.get(1..=n).ok_or_else(bad)?;
+    e.destination = Destination::new(String::from_utf8(d.to_vec()).map_err(|_| bad())?)?;
+    e.payload.drain(..=n);
+    Ok(e)
+}
+
+struct OpenEnvelopes(Box<dyn Subscription>);
+
+#[async_trait]
+impl Subscription for OpenEnvelopes {
+    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+        let Some(d) = self.0.next(wait).await? else { return Ok(None) };
+        let (redelivered, attempt) = (d.redelivered, d.attempt);
+        let (event, acker) = d.into_parts();
+        Ok(Some(Delivery::new(open_envelope(event)?, redelivered, attempt, acker)))
+    }
+}
+
+#[async_trait]
+impl Broker for JoinedQueues {
+    fn backend(&self) -> &'static str {
+        "mutant"
+    }
+    async fn declare(&self, d: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
+        let mut queues = Vec::new();
+        for g in groups {
+            let q = Self::queue(d, g)?;
+            self.inner.declare(&q, &[queue_group()]).await?;
+            queues.push(q);
+        }
+        lock(&self.bindings).entry(d.clone()).or_default().extend(queues);
+        Ok(())
+    }
+    async fn publish(&self, e: &Event) -> Result<()> {
+        let queues = lock(&self.bindings).get(&e.destination).cloned();
+        let Some(queues) = queues.filter(|q| !q.is_empty()) else {
+            return Err(Error::transient(
+                ErrorKind::Unroutable,
+                "mutant",
+                format!("no queue bound to {}", e.destination),
+            ));
+        };
+        for q in &queues {
+            self.inner.publish(&envelope(e, q)).await?;
+        }
+        Ok(())
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        self.declare(d, std::slice::from_ref(g)).await?;
+        Ok(Box::new(OpenEnvelopes(self.inner.subscribe(&Self::queue(d, g)?, &queue_group()).await?)))
+    }
+}
+
+/// A plain relay with one fault ([`Mutant::RelayCompletesFailedPublish`],
+/// [`Mutant::RelayPublishesOneKeyConcurrently`] or [`Mutant::RelayKeepsLeasesOnShutdown`]).
+/// Without its fault it is correct: rows in row order, one at a time; a failed row holds back
+/// the rest of its key; shutdown releases what was not published.
+struct WrongRelay {
+    store: Arc<dyn OutboxStore>,
+    broker: Arc<dyn Broker>,
+    config: RelayConfig,
+    fault: Mutant,
+    stop: AtomicBool,
+    stopped: Notify,
+    totals: Mutex<BatchReport>,
+}
+
+impl WrongRelay {
+    fn new(store: Arc<dyn OutboxStore>, broker: Arc<dyn Broker>, config: RelayConfig, fault: Mutant) -> Self {
+        Self {
+            store,
+            broker,
+            config,
+            fault,
+            stop: AtomicBool::new(false),
+            stopped: Notify::new(),
+            totals: Mutex::default(),
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    async fn settle(&self, c: &Claimed, r: Result<()>, report: &mut BatchReport, sent: &mut Vec<(RowId, Lease)>) {
+        match r {
+            Ok(()) => sent.push((c.record.row_id, c.lease.clone())),
+            Err(e) if self.fault == Mutant::RelayCompletesFailedPublish && e.retry() != Retry::Permanent => {
+                // "It will surely go through": completed without being on the broker.
+                sent.push((c.record.row_id, c.lease.clone()));
+            }
+            Err(e) if e.retry() == Retry::Permanent || c.record.attempts + 1 >= self.config.max_attempts => {
+                if self.store.park(c.record.row_id, &c.lease, &e.to_string()).await.ok() == Some(Outcome::Applied) {
+                    report.parked += 1;
+                }
+            }
+            Err(e) => {
+                if self.store.fail(c.record.row_id, &c.lease, Duration::ZERO, &e.to_string()).await.ok()
+                    == Some(Outcome::Applied)
+                {
+                    report.retried += 1;
+                }
+            }
+        }
+    }
+
+    async fn release(&self, c: &Claimed, report: &mut BatchReport) {
+        if self.store.release(c.record.row_id, &c.lease).await.ok() == Some(Outcome::Applied) {
+            report.released += 1;
+        }
+    }
+
+    async fn batch(&self) -> Result<BatchReport> {
+        let claimed = self.store.claim(&self.config.owner, self.config.batch_size, self.config.lease).await?;
+        let mut report = BatchReport { claimed: claimed.len() as u64, ..BatchReport::default() };
+        let mut sent = Vec::new();
+        if self.fault == Mutant::RelayPublishesOneKeyConcurrently {
+            let results = futures::future::join_all(claimed.iter().map(|c| self.broker.publish(&c.record.event))).await;
+            for (c, r) in claimed.iter().zip(results) {
+                self.settle(c, r, &mut report, &mut sent).await;
+            }
+        } else {
+            let mut failed_keys = HashSet::new();
+            for c in &claimed {
+                if self.stopping() {
+                    if self.fault != Mutant::RelayKeepsLeasesOnShutdown {
+                        self.release(c, &mut report).await;
+                    }
+                    continue;
+                }
+                if c.record.event.key.as_ref().is_some_and(|k| failed_keys.contains(k)) {
+                    self.release(c, &mut report).await;
+                    continue;
+                }
+                let r = self.broker.publish(&c.record.event).await;
+                if r.is_err()
+                    && let Some(k) = &c.record.event.key
+                {
+                    failed_keys.insert(k.clone());
+                }
+                self.settle(c, r, &mut report, &mut sent).await;
+            }
+        }
+        if !sent.is_empty() {
+            for outcome in self.store.complete_many(&sent).await? {
+                match outcome {
+                    Completion::Published => report.published += 1,
+                    Completion::Fenced => report.fenced += 1,
+                }
+            }
+        }
+        let mut t = lock(&self.totals);
+        t.claimed += report.claimed;
+        t.published += report.published;
+        t.fenced += report.fenced;
+        t.retried += report.retried;
+        t.parked += report.parked;
+        t.released += report.released;
+        Ok(report)
+    }
+}
+
+#[async_trait]
+impl RelayUnderTest for WrongRelay {
+    async fn run_once(&self) -> Result<BatchReport> {
+        if self.stopping() {
+            return Ok(BatchReport::default());
+        }
+        self.batch().await
+    }
+
+    async fn run(&self) -> Result<BatchReport> {
+        while !self.stopping() {
+            let stopped = self.stopped.notified();
+            if matches!(self.batch().await, Ok(r) if r.claimed > 0) {
+                continue;
+            }
+            if self.stopping() {
+                break;
+            }
+            let _ = tokio::time::timeout(self.config.idle_poll, stopped).await;
+        }
+        Ok(*lock(&self.totals))
+    }
+
+    fn shutdown(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.stopped.notify_waiters();
+    }
+}
+
+struct AckedElsewhere;
+
+#[async_trait]
+impl Acknowledge for AckedElsewhere {
+    async fn ack(self: Box<Self>) -> Result<()> {
+        Ok(())
+    }
+    async fn nack(self: Box<Self>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// [`Mutant::AckThenCommit`]: the consumer runtime's steps with the acknowledgement moved in
+/// front of the commit ("the commit cannot fail now").
+pub(crate) async fn ack_then_commit<I: Inbox, H: Handler<I>>(
+    consumer: &Consumer<I, H>,
+    delivery: Delivery,
+) -> Result<Handled> {
+    let (redelivered, attempt) = (delivery.redelivered, delivery.attempt);
+    let (event, acker) = delivery.into_parts();
+    let mut f = consumer.receive(Delivery::new(event, redelivered, attempt, Box::new(AckedElsewhere)));
+    if f.guard().await.is_ok() && f.apply().await.is_ok() {
+        acker.ack().await?;
+        let _ = f.commit().await;
+    } else {
+        acker.nack().await?;
+    }
+    f.acknowledge().await
 }

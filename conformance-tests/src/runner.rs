@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use libtest_mimic::{Arguments, Failed, Trial};
 
@@ -42,9 +42,24 @@ pub fn main<H: Harness>(harness: H) -> ExitCode {
     libtest_mimic::run(&args, trials).exit_code()
 }
 
+/// Longest one case may run (`OUTBOX_CASE_TIMEOUT_SECS`, default 600): every wait inside the
+/// suite is bounded on its own, this is the net under them, so a backend call that never
+/// returns fails its case with a message instead of hanging the run.
+pub fn case_timeout() -> Duration {
+    let secs = std::env::var("OUTBOX_CASE_TIMEOUT_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
+    Duration::from_secs(secs)
+}
+
 fn run_trial<H: Harness>(harness: &H, case: &Case) -> Result<(), Failed> {
     let started = Instant::now();
-    let result = runtime().block_on(run_case(harness, case));
+    let limit = case_timeout();
+    let Ok(result) = runtime().block_on(async { tokio::time::timeout(limit, run_case(harness, case)).await }) else {
+        return Err(format!(
+            "{}: did not finish within {limit:?} (OUTBOX_CASE_TIMEOUT_SECS): a backend call never returned",
+            case.name
+        )
+        .into());
+    };
     match result {
         Ok(CaseResult::Passed(note)) => {
             eprintln!("{} passed in {:.2?}: {note}", case.name, started.elapsed());
@@ -59,8 +74,15 @@ fn run_trial<H: Harness>(harness: &H, case: &Case) -> Result<(), Failed> {
 /// Run every case and return the results in report order (for programs that print a table).
 pub async fn run_all<H: Harness>(harness: &H) -> Vec<(Case, Result<CaseResult, outbox_core::Error>)> {
     let mut out = Vec::new();
+    let limit = case_timeout();
     for case in all_cases() {
-        let r = run_case(harness, &case).await;
+        let r = tokio::time::timeout(limit, run_case(harness, &case)).await.unwrap_or_else(|_| {
+            Err(outbox_core::Error::permanent(
+                outbox_core::ErrorKind::Timeout,
+                "suite",
+                format!("{} did not finish within {limit:?} (OUTBOX_CASE_TIMEOUT_SECS)", case.name),
+            ))
+        });
         out.push((case, r));
     }
     out

@@ -141,6 +141,9 @@ pub struct DurableState {
     pub dead_letters: Vec<(EventId, String)>,
     /// What the recovery consumer did with each delivery.
     pub recovery: Vec<Handled>,
+    /// Recovery steps that hit their bound instead of finishing (a relay that kept claiming, a
+    /// broker that kept delivering): judged as violations, never waited out.
+    pub unfinished: Vec<String>,
 }
 
 impl std::fmt::Display for DurableState {
@@ -161,7 +164,11 @@ impl std::fmt::Display for DurableState {
         )?;
         writeln!(f, "  markers: {:?}", self.markers.iter().map(|m| m.event_id.to_string()).collect::<Vec<_>>())?;
         writeln!(f, "  dead letters: {:?}", self.dead_letters)?;
-        write!(f, "  recovery consumer: {:?}", self.recovery)
+        write!(f, "  recovery consumer: {:?}", self.recovery)?;
+        if !self.unfinished.is_empty() {
+            write!(f, "\n  unfinished: {:?}", self.unfinished)?;
+        }
+        Ok(())
     }
 }
 
@@ -360,9 +367,21 @@ impl<I: Inbox> World<I> {
                 if w.crashed || w.next(RowState::Sent).is_none() {
                     return Err(no_op("nothing to complete"));
                 }
+                // One `complete_many` for the batch's sent rows, as a relay records a batch.
+                let sent: Vec<usize> = (0..w.batch.len()).filter(|i| w.batch[*i].1 == RowState::Sent).collect();
+                let rows: Vec<_> =
+                    sent.iter().map(|i| (w.batch[*i].0.record.row_id, w.batch[*i].0.lease.clone())).collect();
+                let outcomes = self.fx.store.complete_many(&rows).await?;
+                if outcomes.len() != rows.len() {
+                    return Err(Error::permanent(
+                        ErrorKind::Rejected,
+                        "suite",
+                        format!("complete_many answered {} results for {} rows", outcomes.len(), rows.len()),
+                    ));
+                }
                 let mut notes = Vec::new();
-                for (c, s) in w.batch.iter_mut().filter(|(_, s)| *s == RowState::Sent) {
-                    let outcome = self.fx.store.complete(c.record.row_id, &c.lease).await?;
+                for (i, outcome) in sent.into_iter().zip(outcomes) {
+                    let (c, s) = &mut w.batch[i];
                     w.last_completion = Some(outcome);
                     *s = RowState::Done;
                     notes.push(format!("row {} token {}: {outcome:?}", c.record.row_id, c.lease.token));
@@ -435,7 +454,7 @@ impl<I: Inbox> World<I> {
             return Err(no_op("consumer crashed or busy"));
         }
         let Some(sub) = c.sub.as_mut() else { return Err(no_op("no subscription")) };
-        let Some(d) = sub.next(self.wait).await? else {
+        let Some(d) = next_bounded(sub.as_mut(), self.wait).await? else {
             return Err(no_op("nothing to receive"));
         };
         let note = format!("received {} (redelivered {}, attempt {:?})", d.event.id, d.redelivered, d.attempt);
@@ -514,18 +533,31 @@ impl<I: Inbox> World<I> {
                 ..RelayConfig::default()
             },
         );
-        for _ in 0..50 {
-            let r = recovery.drain().await?;
-            if r.claimed == 0 {
+        let mut unfinished = Vec::new();
+        // Bounded: a store that hands out the same rows forever must fail the case, not hang it.
+        let mut batches = 0;
+        loop {
+            if batches == MAX_RECOVERY_BATCHES {
+                unfinished
+                    .push(format!("the recovery relay was still claiming rows after {MAX_RECOVERY_BATCHES} batches"));
+                break;
+            }
+            batches += 1;
+            if recovery.run_once().await?.claimed == 0 {
                 break;
             }
         }
         let broker = (self.fx.restart_broker)();
         let consumer = suite_consumer((self.fx.restart_inbox)(), self.fx.effects.clone(), self.kind);
         let mut sub = broker.subscribe(&self.fx.destination, &suite_group()).await?;
-        let handled = consumer.drain(sub.as_mut(), self.wait).await?;
+        let (handled, done) = drain_bounded(&consumer, sub.as_mut(), self.wait, MAX_DELIVERIES).await?;
+        if !done {
+            unfinished.push(format!("the recovery consumer was still receiving after {MAX_DELIVERIES} deliveries"));
+        }
         drop(sub);
-        self.read_offers(self.wait).await?;
+        if !self.read_offers(self.wait).await? {
+            unfinished.push(format!("the audit group was still receiving after {MAX_DELIVERIES} deliveries"));
+        }
         let ids: std::collections::BTreeSet<&EventId> = self.events.iter().map(|e| &e.id).collect();
         let rows = all_rows(self.fx.store.as_ref()).await?.into_iter().filter(|r| ids.contains(&r.event.id)).collect();
         // Only this scenario's ids: a harness may share tables between fixtures.
@@ -549,16 +581,60 @@ impl<I: Inbox> World<I> {
             markers,
             dead_letters,
             recovery: handled,
+            unfinished,
         })
     }
 
-    async fn read_offers(&mut self, wait: Duration) -> Result<()> {
-        while let Some(d) = self.audit.next(wait).await? {
+    /// Count what the audit group receives until it is quiet; `false` if it never was.
+    async fn read_offers(&mut self, wait: Duration) -> Result<bool> {
+        for _ in 0..MAX_DELIVERIES {
+            let Some(d) = next_bounded(self.audit.as_mut(), wait).await? else { return Ok(true) };
             *self.offers.entry(d.event.id.clone()).or_default() += 1;
             d.ack().await?;
         }
-        Ok(())
+        Ok(false)
     }
+}
+
+/// Recovery batches before the recovery relay is judged as never finishing.
+const MAX_RECOVERY_BATCHES: usize = 50;
+/// Deliveries one reader takes before it is judged as never quiet (scenarios have a handful).
+pub const MAX_DELIVERIES: usize = 200;
+
+/// [`Subscription::next`], failing with a message instead of hanging when an adapter does not
+/// return within (a generous margin over) its `wait`.
+///
+/// # Errors
+/// The subscription's error, or [`ErrorKind::Timeout`] naming the overrun.
+pub async fn next_bounded(sub: &mut dyn Subscription, wait: Duration) -> Result<Option<outbox_core::Delivery>> {
+    let limit = wait * 3 + Duration::from_secs(30);
+    match tokio::time::timeout(limit, sub.next(wait)).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::permanent(
+            ErrorKind::Timeout,
+            "suite",
+            format!("Subscription::next({wait:?}) did not return within {limit:?}"),
+        )),
+    }
+}
+
+/// [`Consumer::drain`] with a bound: process deliveries until none arrives within `wait`, at
+/// most `max`. Returns what happened to each and whether the subscription went quiet.
+///
+/// # Errors
+/// A subscription or acknowledgement error.
+pub async fn drain_bounded<I: Inbox>(
+    consumer: &SuiteConsumer<I>,
+    sub: &mut dyn Subscription,
+    wait: Duration,
+    max: usize,
+) -> Result<(Vec<Handled>, bool)> {
+    let mut out = Vec::new();
+    while out.len() < max {
+        let Some(d) = next_bounded(sub, wait).await? else { return Ok((out, true)) };
+        out.push(consumer.process(d).await?);
+    }
+    Ok((out, false))
 }
 
 impl<I: Inbox> Fixture<I> {

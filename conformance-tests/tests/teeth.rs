@@ -4,22 +4,41 @@
 //! caught each variant is always printed, not captured.
 
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use outbox_conformance_tests::MemoryHarness;
 use outbox_conformance_tests::explore::{Bounds, exhaustive};
 use outbox_conformance_tests::mutants::{Mutant, MutantHarness};
-use outbox_conformance_tests::{CaseResult, all_cases, run_case};
+use outbox_conformance_tests::{CaseResult, all_cases, run_case_with};
+
+/// A case on the reference backends takes well under a second (the exhaustive exploration a few
+/// seconds); one that runs out this budget is stuck on a wait without bound, which is a failure
+/// of the suite in itself, not a catch.
+const CASE_BUDGET: Duration = Duration::from_secs(60);
 
 async fn every_wrong_variant_is_caught() -> bool {
     let mut escaped = Vec::new();
+    let mut hung = Vec::new();
     for mutant in Mutant::ALL {
         let h = MutantHarness(mutant);
+        let engines = mutant.engines();
         let mut caught = Vec::new();
         let mut first = None;
+        let mut why = Vec::new();
         for case in all_cases() {
-            match run_case(&h, &case).await {
+            let started = Instant::now();
+            let Ok(result) = tokio::time::timeout(CASE_BUDGET, run_case_with(&h, &case, &engines)).await else {
+                println!("HUNG: {} did not finish within {CASE_BUDGET:?} on {mutant}", case.name);
+                hung.push((mutant, case.name));
+                continue;
+            };
+            if started.elapsed() > CASE_BUDGET / 4 {
+                println!("  slow: {} took {:.1?} on {mutant}", case.name, started.elapsed());
+            }
+            match result {
                 Ok(CaseResult::Failed(c)) => {
                     caught.push(case.name);
+                    why.push(format!("  {}: {}", case.name, c.violations.first().map_or("", String::as_str)));
                     first.get_or_insert(c);
                 }
                 Ok(CaseResult::Passed(_)) => {}
@@ -38,6 +57,9 @@ async fn every_wrong_variant_is_caught() -> bool {
             println!("NOT CAUGHT: {mutant}");
         } else {
             println!("caught: {mutant} — by {}", caught.join(", "));
+            for line in &why {
+                println!("{line}");
+            }
             if let Some(c) = first {
                 println!("{c}\n");
             }
@@ -46,7 +68,10 @@ async fn every_wrong_variant_is_caught() -> bool {
     if !escaped.is_empty() {
         println!("wrong variants that passed the whole suite: {escaped:?}");
     }
-    escaped.is_empty()
+    if !hung.is_empty() {
+        println!("cases that hung instead of failing: {hung:?}");
+    }
+    escaped.is_empty() && hung.is_empty()
 }
 
 async fn reference_backends_survive_a_deeper_exploration() -> bool {

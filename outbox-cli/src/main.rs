@@ -79,17 +79,13 @@ enum Command {
 
 #[derive(clap::Args)]
 struct ConformanceArgs {
-    /// Which backends to judge.
-    #[arg(long, value_enum, default_value_t = Backends::Sqlite)]
-    store: Backends,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Backends {
-    /// SQLite outbox and inbox with the in-process broker.
-    Sqlite,
-    /// The in-memory reference backends.
-    Memory,
+    /// The store to judge: `sqlite` (files in a temporary directory), `sqlite:///DIR`,
+    /// `postgres://…` (a fresh schema per case, dropped afterwards) or `memory`.
+    #[arg(long, default_value = "sqlite")]
+    store: String,
+    /// The broker to judge it with: `memory` (in-process), `kafka://…`, `amqp://…` or `redis://…`.
+    #[arg(long, default_value = "memory")]
+    broker: String,
 }
 
 fn init_logging(cli: &Cli) -> Result<(), String> {
@@ -131,7 +127,7 @@ fn main() -> ExitCode {
             Command::Parked(cmd) => ops::parked(cmd).await.map(|()| true),
             Command::DeadLetters(cmd) => ops::dead_letters(cmd).await.map(|()| true),
             Command::Demo(args) => demo::run(args).await,
-            Command::Conformance(args) => conformance::run(matches!(args.store, Backends::Memory)).await,
+            Command::Conformance(args) => conformance::run(&args.store, &args.broker).await,
         }
     });
     // Don't wait for tasks still blocked on a dead server.

@@ -16,6 +16,15 @@ use tokio::sync::Notify;
 
 const LEASE: Duration = Duration::from_secs(10);
 
+/// Longest any wait of these tests may take: a relay that never gets there fails the test with
+/// a message instead of hanging it.
+const LIMIT: Duration = Duration::from_secs(10);
+
+/// Await `fut` for at most [`LIMIT`], panicking with `what` when it runs out.
+async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LIMIT, fut).await.unwrap_or_else(|_| panic!("{what} did not happen within {LIMIT:?}"))
+}
+
 fn dest() -> Destination {
     Destination::new("orders").unwrap()
 }
@@ -88,7 +97,7 @@ async fn relay_counts_fenced_completions() {
     let rb = relay_b.run_once().await.unwrap();
     assert_eq!((rb.claimed, rb.published, rb.fenced), (2, 2, 0));
     gate.notify_one();
-    let ra = a.await.unwrap();
+    let ra = within("relay A finishing its batch", a).await.unwrap();
     assert_eq!((ra.claimed, ra.published, ra.fenced), (2, 0, 2));
 
     let rows = all_rows(&store).await.unwrap();
@@ -121,7 +130,9 @@ impl OutboxStore for StallComplete {
         self.inner.complete(row, lease).await
     }
     async fn complete_many(&self, rows: &[(i64, outbox_core::Lease)]) -> outbox_core::Result<Vec<Completion>> {
-        self.gate.notified().await;
+        if tokio::time::timeout(LIMIT, self.gate.notified()).await.is_err() {
+            return Err(Error::transient(ErrorKind::Timeout, "stall", "the gate was never opened"));
+        }
         self.inner.complete_many(rows).await
     }
     async fn fail(
@@ -165,9 +176,9 @@ impl OutboxStore for StallComplete {
 }
 
 async fn wait_until(mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let deadline = tokio::time::Instant::now() + LIMIT;
     while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "condition not reached within 5s");
+        assert!(tokio::time::Instant::now() < deadline, "condition not reached within {LIMIT:?}");
         tokio::task::yield_now().await;
     }
 }
@@ -212,7 +223,11 @@ impl Broker for Scripted {
     async fn publish(&self, event: &Event) -> outbox_core::Result<()> {
         if let Some(gate) = &self.gate {
             gate.0.notify_one(); // "publish started"
-            gate.1.notified().await; // wait for permission
+            // Wait for permission, bounded: a relay that publishes more than the test lets
+            // through gets an error instead of waiting forever.
+            if tokio::time::timeout(LIMIT, gate.1.notified()).await.is_err() {
+                return Err(Error::transient(ErrorKind::Timeout, "scripted", "the gate was never opened"));
+            }
         }
         let next = self.script.lock().unwrap().pop_front().flatten();
         match next {
@@ -306,10 +321,10 @@ async fn graceful_shutdown_finishes_in_flight_and_releases_the_rest() {
         let relay = relay.clone();
         async move { relay.run().await.unwrap() }
     });
-    gate.0.notified().await; // first publish started
+    within("the first publish starting", gate.0.notified()).await;
     shutdown.trigger();
     gate.1.notify_one(); // let it finish
-    let totals = running.await.unwrap();
+    let totals = within("the relay stopping after shutdown", running).await.unwrap();
     assert_eq!((totals.claimed, totals.published, totals.released), (3, 1, 2));
 
     let rows = all_rows(&store).await.unwrap();

@@ -22,6 +22,7 @@ use outbox_core::{
     Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, OutboxStore, Relay, RelayConfig, Result,
     Subscription,
 };
+use outbox_store_postgres::sqlx::postgres::PgSslMode;
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe, Connection, PgConnection, Row};
 use outbox_store_postgres::{PgConfig, PgStore};
 
@@ -107,16 +108,27 @@ impl Bench {
     }
 
     /// Hand-written SQL on one connection: the store's claim statement and the smallest fenced
-    /// completion (ids and tokens as arrays, the owner once).
-    async fn raw_sql(&self, rows: usize, batch: usize, conn: &mut PgConnection) -> f64 {
+    /// completion (ids and tokens as arrays, the owner once). With `owner_per_row`, the owner is
+    /// sent once per row as well, the request shape that stalled.
+    async fn raw_sql(&self, rows: usize, batch: usize, conn: &mut PgConnection, owner_per_row: bool) -> f64 {
         self.fill(rows).await;
         let claim = self.store.tables().claim_sql().to_owned();
-        let complete = format!(
-            "UPDATE {events} AS t SET published_token = t.token, published_at = 0, lease_expires_at = NULL
-             FROM unnest($1::bigint[], $2::bigint[]) AS i(id, token)
-             WHERE t.id = i.id AND t.token = i.token AND t.owner = $3 AND t.published_at IS NULL",
-            events = self.events
-        );
+        let complete = if owner_per_row {
+            format!(
+                "UPDATE {events} AS t SET published_token = t.token, published_at = 0, lease_expires_at = NULL
+                 FROM unnest($1::bigint[], $2::bigint[], $4::text[]) AS i(id, token, owner)
+                 WHERE t.id = i.id AND t.token = i.token AND t.owner = i.owner AND t.owner = $3
+                   AND t.published_at IS NULL",
+                events = self.events
+            )
+        } else {
+            format!(
+                "UPDATE {events} AS t SET published_token = t.token, published_at = 0, lease_expires_at = NULL
+                 FROM unnest($1::bigint[], $2::bigint[]) AS i(id, token)
+                 WHERE t.id = i.id AND t.token = i.token AND t.owner = $3 AND t.published_at IS NULL",
+                events = self.events
+            )
+        };
         let t = Instant::now();
         let mut done = 0;
         loop {
@@ -133,13 +145,12 @@ impl Bench {
             }
             let ids: Vec<i64> = claimed.iter().map(|r| r.get("id")).collect();
             let tokens: Vec<i64> = claimed.iter().map(|r| r.get("token")).collect();
-            let r = sqlx::query(AssertSqlSafe(complete.clone()))
-                .bind(ids)
-                .bind(tokens)
-                .bind(OWNER)
-                .execute(&mut *conn)
-                .await
-                .unwrap();
+            let owners = vec![OWNER; ids.len()];
+            let mut q = sqlx::query(AssertSqlSafe(complete.clone())).bind(ids).bind(tokens).bind(OWNER);
+            if owner_per_row {
+                q = q.bind(owners);
+            }
+            let r = q.execute(&mut *conn).await.unwrap();
             done += usize::try_from(r.rows_affected()).unwrap();
         }
         let secs = t.elapsed().as_secs_f64();
@@ -181,6 +192,11 @@ async fn main() {
     );
 
     let mut raw_conn = PgConnection::connect_with(&config.connect_options().unwrap()).await.unwrap();
+    let tls: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .fetch_one(&mut raw_conn)
+        .await
+        .unwrap();
+    println!("  connection TLS: {tls} (the stall needs TLS: a request over 16 KiB is two TLS records, two writes)");
     let mut table = Vec::new();
     let mut relay_rates = Vec::new();
     for batch in batches() {
@@ -188,7 +204,7 @@ async fn main() {
         let n = if batch == 1 { rows.min(2_000) } else { rows };
         let relay = bench.relay(n, batch, OWNER).await;
         let store = bench.store_calls(n, batch).await;
-        let raw = bench.raw_sql(n, batch, &mut raw_conn).await;
+        let raw = bench.raw_sql(n, batch, &mut raw_conn, false).await;
         relay_rates.push((batch, relay));
         table.push((batch, OWNER.len(), n, relay, store, raw));
     }
@@ -213,6 +229,21 @@ async fn main() {
             *batch as f64 / relay * 1000.0,
         );
     }
+    // The cause, in the same run: the old request shape (the owner once per row, 20 KiB for 500
+    // rows) on the same connection.
+    let old_shape = bench.raw_sql(rows, 500, &mut raw_conn, true).await;
+    let plain_options = config.connect_options().unwrap().ssl_mode(PgSslMode::Disable);
+    let old_shape_plain = match PgConnection::connect_with(&plain_options).await {
+        Ok(mut plain) => {
+            let rate = bench.raw_sql(rows, 500, &mut plain, true).await;
+            let _ = plain.close().await;
+            format!("{rate:.0} events/s")
+        }
+        Err(e) => format!("not measured ({e})"),
+    };
+    println!();
+    println!("raw SQL at batch 500 with the owner once per row (the request shape before the fix):");
+    println!("  over TLS {old_shape:.0} events/s; over plain TCP (sslmode=disable) {old_shape_plain}");
     let rate = |b: usize| relay_rates.iter().find(|(x, _)| *x == b).map(|(_, r)| *r).unwrap_or(0.0);
     let ok = rate(500) >= rate(100);
     println!();

@@ -180,7 +180,7 @@ impl Listener {
                 channel = %self.channel,
                 error = %error,
                 retry_in = ?delay,
-                "wake-up listener lost its connection; relays poll until it is back"
+                "wake-up listener is not connected; relays poll until it is back"
             );
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(MAX_BACKOFF);

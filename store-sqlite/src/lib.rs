@@ -1,5 +1,7 @@
 #![doc = include_str!("../README.md")]
 
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod config;
 mod enqueue;
 mod error;

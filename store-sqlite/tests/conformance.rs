@@ -1,10 +1,10 @@
-//! The whole conformance suite against SQLite: outbox store and inbox on real SQLite files,
-//! with the in-process reference broker. Each fixture gets its own pair of files (the producer's
-//! database and the consumer's), so cases run in parallel and nothing leaks between them.
+//! The whole conformance suite against SQLite: outbox store and inbox on real SQLite files (see
+//! `outbox_store_sqlite::conformance`), with the in-process reference broker.
 
-#[path = "support/harness.rs"]
-mod harness;
+use outbox_conformance_tests::{Combined, MemoryBrokerHarness};
+use outbox_store_sqlite::conformance::SqliteStoreHarness;
 
 fn main() -> std::process::ExitCode {
-    outbox_conformance_tests::main(harness::SqliteHarness::new())
+    let store = SqliteStoreHarness::temporary().unwrap_or_else(|e| panic!("{e}"));
+    outbox_conformance_tests::main(Combined::new(store, MemoryBrokerHarness))
 }

@@ -1,0 +1,147 @@
+//! This crate's half of the conformance suite, so the suite can judge RabbitMQ with any store:
+//! the crate's own run pairs it with the in-memory store and inbox, the store × broker matrix
+//! and `outbox conformance --broker amqp://…` with real ones.
+//!
+//! Every fixture publishes to a destination of its own, under an exchange and queue prefix of
+//! this harness, so cases run in parallel and a re-run on a dirty server starts clean. The
+//! fixtures' exchanges and the queues of the suite's two groups are deleted when the harness is
+//! dropped.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use outbox_conformance_tests::world::unique_tag;
+use outbox_conformance_tests::{BrokerFixture, BrokerHarness, Capabilities, Capability};
+use outbox_core::{Broker, ConsumerGroup, Destination, Result};
+
+use crate::{AmqpBroker, AmqpConfig, QueueType};
+
+/// The groups the suite declares on every fixture's destination.
+const GROUPS: [&str; 2] = ["suite", "audit"];
+
+/// RabbitMQ, with every name under a prefix of this harness.
+pub struct AmqpBrokerHarness {
+    /// The server and this harness's exchange and queue prefix.
+    config: AmqpConfig,
+    /// Every destination a fixture was given, to delete at the end.
+    created: Mutex<Vec<Destination>>,
+}
+
+impl std::fmt::Debug for AmqpBrokerHarness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpBrokerHarness")
+            .field("server", &self.config.redacted_url())
+            .field("prefix", &self.config.queue_prefix())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpBrokerHarness {
+    /// Fixtures on the server of `config`, with its queue type, under exchange and queue prefixes
+    /// unique to this harness (appended to the config's).
+    ///
+    /// # Errors
+    /// [`outbox_core::ErrorKind::Config`] when the prefixed names are not valid.
+    pub fn new(config: AmqpConfig) -> Result<Self> {
+        let tag = format!("outbox-conformance.{}.", unique_tag());
+        let exchange_prefix = format!("{}{tag}", config.exchange_prefix());
+        let queue_prefix = format!("{}{tag}", config.queue_prefix());
+        let config = config
+            .with_exchange_prefix(exchange_prefix)?
+            .with_queue_prefix(queue_prefix)?
+            .with_connection_name("outbox conformance");
+        Ok(Self { config, created: Mutex::new(Vec::new()) })
+    }
+
+    /// Fixtures on the server of `url`. The groups' queues are quorum queues unless the URL
+    /// names an `outbox_queue_type`: RabbitMQ's recommended durable queue type, and the one that
+    /// reports a delivery count (`Delivery::attempt`) on top of the `redelivered` flag, so the
+    /// redelivery case checks both.
+    ///
+    /// # Errors
+    /// As [`AmqpConfig::from_url`] and [`new`](Self::new).
+    pub fn from_url(url: &str) -> Result<Self> {
+        let mut config = AmqpConfig::from_url(url)?;
+        if !url.contains("outbox_queue_type=") {
+            config = config.with_queue_type(QueueType::Quorum);
+        }
+        Self::new(config)
+    }
+
+    /// The configuration every fixture's broker uses.
+    pub fn config(&self) -> &AmqpConfig {
+        &self.config
+    }
+
+    async fn delete_all(&self, destinations: Vec<Destination>) {
+        let broker = AmqpBroker::new(self.config.clone());
+        let groups: Vec<ConsumerGroup> = GROUPS.iter().filter_map(|g| ConsumerGroup::new(*g).ok()).collect();
+        let failures: Vec<String> = futures::stream::iter(destinations)
+            .map(|d| {
+                let (broker, groups) = (&broker, &groups);
+                async move { broker.delete(&d, groups).await.err().map(|e| format!("{d}: {e}")) }
+            })
+            .buffer_unordered(8)
+            .filter_map(|failure| async move { failure })
+            .collect()
+            .await;
+        broker.close().await;
+        for failure in failures {
+            eprintln!("cleanup failed: {failure}");
+        }
+    }
+}
+
+impl Drop for AmqpBrokerHarness {
+    fn drop(&mut self) {
+        let destinations = std::mem::take(self.created.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if destinations.is_empty() {
+            return;
+        }
+        // Drop may run inside a runtime (which cannot block on another): clean up on a thread.
+        std::thread::scope(|s| {
+            s.spawn(|| match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt.block_on(self.delete_all(destinations)),
+                Err(e) => eprintln!("cleanup skipped: cannot build a tokio runtime: {e}"),
+            });
+        });
+    }
+}
+
+#[async_trait]
+impl BrokerHarness for AmqpBrokerHarness {
+    fn name(&self) -> String {
+        format!("RabbitMQ broker ({} queues)", self.config.queue_type())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            // Unroutable: a publish to an exchange that does not exist fails with 404, and one
+            // that no queue is bound to comes back as a `mandatory` return. RedeliveryInfo: the
+            // `redelivered` flag (and on quorum queues the delivery count). Nack: `basic.nack`
+            // with requeue.
+            present: vec![Capability::DetectsUnroutable, Capability::RedeliveryInfo, Capability::Nack],
+            // RabbitMQ requeues a closed channel's unacknowledged deliveries at once and pushes
+            // them to the remaining consumers: no server-side timeout to wait out, only round
+            // trips (about 50 ms here), so the wait is a margin for a loaded machine.
+            delivery_wait: Duration::from_millis(500),
+            // A sampled path costs about 1.6 s, mostly quiet waits (the final drain has two), so
+            // the whole target stays near 90 s.
+            sampled_iterations: 50,
+            exhaustive: false,
+        }
+    }
+
+    async fn fixture(&self, case: &str) -> Result<BrokerFixture> {
+        let destination = Destination::new(format!("{case}.{}", unique_tag()))?;
+        self.created.lock().unwrap_or_else(PoisonError::into_inner).push(destination.clone());
+        let broker: Arc<dyn Broker> = Arc::new(AmqpBroker::new(self.config.clone()));
+        let mut fixture = BrokerFixture::new(broker, destination);
+        // A restarted process has connections of its own; what survives is on the server.
+        let config = self.config.clone();
+        fixture.restart_broker = Arc::new(move || Arc::new(AmqpBroker::new(config.clone())) as Arc<dyn Broker>);
+        Ok(fixture)
+    }
+}

@@ -1,0 +1,121 @@
+//! This crate's half of the conformance suite, so the suite can judge Redis Streams with any
+//! store: the crate's own run pairs it with the in-memory store and inbox, the store × broker
+//! matrix and `outbox conformance --broker redis://…` with real ones.
+//!
+//! Each fixture connects a broker of its own (a case runs on a runtime of its own, and a
+//! connection lives on the runtime that opened it) and gets a destination of its own under a
+//! key prefix unique to the harness; everything under that prefix is deleted when the harness is
+//! dropped, so a re-run on a dirty server starts clean.
+//!
+//! The claim idle time is short so that what a dropped subscription held is reclaimed by the
+//! next member of the group well within the suite's delivery wait.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use outbox_conformance_tests::world::unique_tag;
+use outbox_conformance_tests::{BrokerFixture, BrokerHarness, Capabilities, Capability};
+use outbox_core::{Destination, Result};
+
+use crate::{RedisBroker, RedisConfig};
+
+/// An entry left unacknowledged this long by a consumer that went away is reclaimed by another
+/// member (subscriptions look for such entries every `CLAIM_IDLE / 2`).
+pub const CLAIM_IDLE: Duration = Duration::from_millis(200);
+
+/// How long the suite waits for a delivery: the worst reclaim after a dropped subscription is
+/// `CLAIM_IDLE` plus one claim interval (300 ms) plus round trips; this leaves more than twice
+/// that.
+pub const DELIVERY_WAIT: Duration = Duration::from_millis(750);
+
+/// Sampled permutation paths per run (each costs a few delivery waits: the drain and the audit
+/// read end on an empty wait).
+pub const SAMPLED_ITERATIONS: u32 = 40;
+
+/// Redis Streams under a key prefix of this harness, deleted when it is dropped.
+pub struct RedisBrokerHarness {
+    config: RedisConfig,
+}
+
+impl std::fmt::Debug for RedisBrokerHarness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBrokerHarness")
+            .field("server", &self.config.redacted_url())
+            .field("prefix", &self.config.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisBrokerHarness {
+    /// Fixtures on the server of `config`, under a key prefix unique to this harness (appended
+    /// to the config's), with the suite's [`CLAIM_IDLE`].
+    pub fn new(config: RedisConfig) -> Self {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let prefix = format!("{}outbox-conformance:{}-{nanos:x}:", config.prefix, std::process::id());
+        Self { config: config.with_prefix(prefix).with_claim_idle(CLAIM_IDLE) }
+    }
+
+    /// The configuration every fixture's broker uses.
+    pub fn config(&self) -> &RedisConfig {
+        &self.config
+    }
+
+    fn clean_up(&self) -> redis::RedisResult<()> {
+        let client = redis::Client::open(self.config.url.as_str())?;
+        let mut conn = client.get_connection()?;
+        let mut keys = Vec::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}*", self.config.prefix))
+                .arg("COUNT")
+                .arg(1000)
+                .query(&mut conn)?;
+            keys.extend(found);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        for chunk in keys.chunks(500) {
+            let _: i64 = redis::cmd("DEL").arg(chunk).query(&mut conn)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RedisBrokerHarness {
+    fn drop(&mut self) {
+        if let Err(e) = self.clean_up() {
+            eprintln!("could not delete the keys under {:?}: {e}", self.config.prefix);
+        }
+    }
+}
+
+#[async_trait]
+impl BrokerHarness for RedisBrokerHarness {
+    fn name(&self) -> String {
+        "redis streams broker".into()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            // Not `DetectsUnroutable`: an XADD to a stream nobody declared creates the stream and
+            // succeeds. A redelivery (own pending entry or XAUTOCLAIM) carries the group's
+            // delivery count, and a nack makes the entry reclaimable at once.
+            present: vec![Capability::RedeliveryInfo, Capability::Nack],
+            delivery_wait: DELIVERY_WAIT,
+            sampled_iterations: SAMPLED_ITERATIONS,
+            exhaustive: false,
+        }
+    }
+
+    async fn fixture(&self, case: &str) -> Result<BrokerFixture> {
+        let broker = RedisBroker::connect(self.config.clone()).await?;
+        let destination = Destination::new(format!("{case}-{}", unique_tag()))?;
+        Ok(BrokerFixture::new(Arc::new(broker), destination))
+    }
+}

@@ -40,6 +40,10 @@ pub const DEFAULT_PUBLISH_CHANNELS: usize = 16;
 /// Longest exchange, queue or routing-key name AMQP 0-9-1 can carry (a `shortstr`).
 pub const MAX_NAME_LEN: usize = 255;
 
+/// Between destination and group in a queue name: a character no destination or group name
+/// has, so that the name identifies the pair ([`AmqpConfig::queue_name`]).
+pub(crate) const QUEUE_NAME_SEPARATOR: char = ':';
+
 /// The type of the queue declared for each consumer group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum QueueType {
@@ -133,7 +137,7 @@ impl fmt::Display for RoutingKey {
 /// | parameter | meaning | default |
 /// |---|---|---|
 /// | `outbox_exchange_prefix` | prepended to the destination to name its exchange | empty |
-/// | `outbox_queue_prefix` | prepended to `<destination>.<group>` to name a group's queue | empty |
+/// | `outbox_queue_prefix` | prepended to `<destination>:<group>` to name a group's queue | empty |
 /// | `outbox_queue_type` | `classic` or `quorum` | `classic` |
 /// | `outbox_routing_key` | `destination` or `key` (see [`RoutingKey`]) | `destination` |
 /// | `outbox_prefetch` | unacknowledged deliveries per subscription | 32 |
@@ -300,7 +304,7 @@ impl AmqpConfig {
     }
 
     /// Prefix of every queue name: the queue of group `g` on destination `d` is
-    /// `<prefix><d>.<g>`.
+    /// `<prefix><d>:<g>` (see [`queue_name`](Self::queue_name)).
     ///
     /// # Errors
     /// As [`with_exchange_prefix`](Self::with_exchange_prefix).
@@ -462,12 +466,21 @@ impl AmqpConfig {
         checked_len("exchange", format!("{}{destination}", self.exchange_prefix))
     }
 
-    /// The queue of `group` on `destination`: `<queue_prefix><destination>.<group>`.
+    /// The queue of `group` on `destination`: `<queue_prefix><destination>:<group>`.
+    ///
+    /// One queue per pair, never shared: destination and group names are `[A-Za-z0-9._-]`, so
+    /// the `:` between them is the only one after the prefix and the pair can be read back from
+    /// the name. (Joined with `.`, `(orders.eu, billing)` and `(orders, eu.billing)` would both
+    /// be `orders.eu.billing`, and one destination's events would reach the other's group.)
+    ///
+    /// The whole name must fit AMQP's [`MAX_NAME_LEN`] (255) bytes: prefix, destination, `:` and
+    /// group together. A longer one is refused, never shortened (a shortened name could be
+    /// another pair's).
     ///
     /// # Errors
     /// [`ErrorKind::InvalidInput`] when the name exceeds [`MAX_NAME_LEN`] bytes.
     pub fn queue_name(&self, destination: &Destination, group: &ConsumerGroup) -> Result<String> {
-        checked_len("queue", format!("{}{destination}.{group}", self.queue_prefix))
+        checked_len("queue", format!("{}{destination}{QUEUE_NAME_SEPARATOR}{group}", self.queue_prefix))
     }
 
     /// The routing key `event` is published with.
@@ -589,7 +602,35 @@ mod tests {
         let d = Destination::new("orders").unwrap();
         let g = ConsumerGroup::new("billing").unwrap();
         assert_eq!(c.exchange_name(&d).unwrap(), "t1.orders");
-        assert_eq!(c.queue_name(&d, &g).unwrap(), "q.orders.billing");
+        assert_eq!(c.queue_name(&d, &g).unwrap(), "q.orders:billing");
+    }
+
+    #[test]
+    fn queue_names_identify_the_destination_and_group_pair() {
+        let c = AmqpConfig::from_url("amqp://127.0.0.1").unwrap().with_queue_prefix("p.").unwrap();
+        let q = |d: &str, g: &str| c.queue_name(&Destination::new(d).unwrap(), &ConsumerGroup::new(g).unwrap());
+        // Joined with '.', these pairs would share one queue.
+        assert_eq!(q("orders.eu", "billing").unwrap(), "p.orders.eu:billing");
+        assert_eq!(q("orders", "eu.billing").unwrap(), "p.orders:eu.billing");
+        let names = ["a", "a.b", "a.b.c", "b", "b.c", "a-b", "a_b", "a..b", "..."];
+        let mut seen = std::collections::BTreeMap::new();
+        for d in names {
+            for g in names {
+                let name = q(d, g).unwrap();
+                // The pair reads back from the name.
+                let rest = name.strip_prefix("p.").unwrap();
+                assert_eq!(rest.split_once(QUEUE_NAME_SEPARATOR), Some((d, g)), "{name}");
+                if let Some(other) = seen.insert(name.clone(), (d, g)) {
+                    panic!("({d}, {g}) and {other:?} share the queue {name}");
+                }
+            }
+        }
+        // The limit covers prefix, destination, separator and group: 2 + 200 + 1 + 52 = 255.
+        let d = Destination::new("d".repeat(200)).unwrap();
+        assert_eq!(c.queue_name(&d, &ConsumerGroup::new("g".repeat(52)).unwrap()).unwrap().len(), MAX_NAME_LEN);
+        let err = c.queue_name(&d, &ConsumerGroup::new("g".repeat(53)).unwrap()).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        assert!(err.to_string().contains("longer than AMQP's limit of 255"), "{err}");
     }
 
     #[test]

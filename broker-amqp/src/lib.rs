@@ -1,10 +1,10 @@
 #![doc = include_str!("../README.md")]
 
-#[cfg(feature = "conformance")]
-pub mod conformance;
 mod broker;
 mod codec;
 mod config;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod error;
 mod subscription;
 

@@ -649,7 +649,17 @@ async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<Case
             }));
         }
         for t in tasks {
-            t.await.map_err(|e| outbox_core::Error::invalid_input("suite", e.to_string()))??;
+            let Ok(joined) = tokio::time::timeout(RELAY_WAIT, t).await else {
+                return Ok(CaseResult::fail(
+                    CASE,
+                    "",
+                    format!(
+                        "handling a copy of {} did not finish within {RELAY_WAIT:?}: a guard or commit blocked",
+                        e.id
+                    ),
+                ));
+            };
+            joined.map_err(|e| outbox_core::Error::invalid_input("suite", e.to_string()))??;
         }
     }
     // Losers were negatively acknowledged: their redeliveries must be duplicates.

@@ -96,7 +96,9 @@ pub(crate) async fn run(store: &str, broker: &str) -> Result<bool> {
 async fn with_store<S: StoreHarness>(store: S, broker: BrokerSpec) -> Result<bool> {
     match broker {
         BrokerSpec::Memory => judge(Combined::new(store, MemoryBrokerHarness)).await,
-        BrokerSpec::Redis(url) => judge(Combined::new(store, RedisBrokerHarness::new(RedisConfig::from_url(&url)?))).await,
+        BrokerSpec::Redis(url) => {
+            judge(Combined::new(store, RedisBrokerHarness::new(RedisConfig::from_url(&url)?))).await
+        }
         BrokerSpec::Amqp(url) => judge(Combined::new(store, AmqpBrokerHarness::from_url(&url)?)).await,
         BrokerSpec::Kafka(url) => judge(Combined::new(store, KafkaBrokerHarness::from_url(&url)?)).await,
     }

@@ -75,7 +75,10 @@ fn record(tallies: &Tallies, combo: &str, f: impl FnOnce(&mut Tally)) {
 fn service(name: &str, script: &str, url: &str) -> Result<bool, String> {
     let addr = service_addr(url);
     std::panic::catch_unwind(|| require_service(name, script, &addr)).map_err(|p| {
-        p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string())).unwrap_or_default()
+        p.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_string()))
+            .unwrap_or_default()
     })
 }
 
@@ -102,7 +105,9 @@ fn trials<S: StoreHarness, B: BrokerHarness>(
             record(tallies, combo, |t| t.skipped += u32::try_from(cases.len()).unwrap_or(u32::MAX));
             return cases
                 .into_iter()
-                .map(|c| Trial::test(format!("{combo}::{}", c.name), || Ok(())).with_kind(c.class).with_ignored_flag(true))
+                .map(|c| {
+                    Trial::test(format!("{combo}::{}", c.name), || Ok(())).with_kind(c.class).with_ignored_flag(true)
+                })
                 .collect();
         }
     };
@@ -125,7 +130,11 @@ fn trials<S: StoreHarness, B: BrokerHarness>(
                 };
                 let ended = Instant::now();
                 record(&tallies, &combo, |t| {
-                    if result.is_ok() { t.passed += 1 } else { t.failed += 1 }
+                    if result.is_ok() {
+                        t.passed += 1
+                    } else {
+                        t.failed += 1
+                    }
                     t.busy += ended - started;
                     t.span = Some(t.span.map_or((started, ended), |(s, e)| (s.min(started), e.max(ended))));
                 });
@@ -173,8 +182,7 @@ fn main() -> ExitCode {
     let sqlite_store = || SqliteStoreHarness::temporary().map_err(|e| e.to_string());
     let kafka_broker = || KafkaBrokerHarness::from_url(&kafka_url()).map_err(|e| e.to_string());
     let amqp_broker = || AmqpBrokerHarness::from_url(&amqp_url()).map_err(|e| e.to_string());
-    let redis_broker =
-        || RedisConfig::from_url(&redis_url()).map(RedisBrokerHarness::new).map_err(|e| e.to_string());
+    let redis_broker = || RedisConfig::from_url(&redis_url()).map(RedisBrokerHarness::new).map_err(|e| e.to_string());
 
     let mut all = Vec::new();
     all.extend(trials(
@@ -219,7 +227,10 @@ fn main() -> ExitCode {
     if !args.list {
         let tallies = tallies.lock().unwrap_or_else(PoisonError::into_inner);
         println!("\nstore × broker matrix ({:.1?} in all)", started.elapsed());
-        println!("{:<16} {:>6} {:>6} {:>7} {:>9} {:>9}  verdict", "combination", "passed", "failed", "skipped", "wall", "busy");
+        println!(
+            "{:<16} {:>6} {:>6} {:>7} {:>9} {:>9}  verdict",
+            "combination", "passed", "failed", "skipped", "wall", "busy"
+        );
         for (combo, t) in tallies.iter() {
             let wall = t.span.map_or(Duration::ZERO, |(s, e)| e - s);
             let verdict = match (t.failed, t.passed) {

@@ -43,7 +43,8 @@ impl PgStoreHarness {
     /// (they carry its name as `application_name`) first.
     async fn drop_schemas(configs: Vec<PgConfig>) -> std::result::Result<(), String> {
         let Some(first) = configs.first() else { return Ok(()) };
-        let options = first.connect_options().map_err(|e| e.to_string())?.application_name("outbox-conformance-cleanup");
+        let options =
+            first.connect_options().map_err(|e| e.to_string())?.application_name("outbox-conformance-cleanup");
         let mut conn = sqlx::PgConnection::connect_with(&options).await.map_err(|e| format!("connect: {e}"))?;
         sqlx::query("SET lock_timeout = '10s'").execute(&mut conn).await.map_err(|e| e.to_string())?;
         for config in &configs {

@@ -1,8 +1,8 @@
 #![doc = include_str!("../README.md")]
 
+mod config;
 #[cfg(feature = "conformance")]
 pub mod conformance;
-mod config;
 mod enqueue;
 mod error;
 mod inbox;

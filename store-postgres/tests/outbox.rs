@@ -401,13 +401,16 @@ async fn concurrent_claims_never_share_a_row() {
             let store = db.store.clone();
             tokio::spawn(async move {
                 let mut got = Vec::new();
-                loop {
+                // Bounded: 400 rows in batches of 7 need at most 58 claims; a claim that took live
+                // leases would go on forever, so it fails instead.
+                for _ in 0..=58 {
                     let batch = store.claim(&format!("r{i}"), 7, Duration::from_secs(60)).await.unwrap();
                     if batch.is_empty() {
                         return got;
                     }
                     got.extend(batch.into_iter().map(|c| c.record.row_id));
                 }
+                panic!("r{i} was still claiming rows after 59 claims ({} rows for 400 enqueued)", got.len());
             })
         })
         .collect();

@@ -40,7 +40,9 @@ impl SqliteStoreHarness {
     pub fn temporary() -> Result<Self> {
         let shm = Path::new("/dev/shm");
         let dir = if shm.is_dir() { tempfile::tempdir_in(shm) } else { tempfile::tempdir() };
-        let dir = dir.map_err(|e| Error::permanent(ErrorKind::Config, "sqlite", format!("cannot create a temporary directory: {e}")))?;
+        let dir = dir.map_err(|e| {
+            Error::permanent(ErrorKind::Config, "sqlite", format!("cannot create a temporary directory: {e}"))
+        })?;
         Ok(Self { dir: Dir::Temp(dir) })
     }
 
@@ -50,8 +52,9 @@ impl SqliteStoreHarness {
     /// [`ErrorKind::Config`] when the directory cannot be created.
     pub fn in_dir(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| Error::permanent(ErrorKind::Config, "sqlite", format!("cannot create {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            Error::permanent(ErrorKind::Config, "sqlite", format!("cannot create {}: {e}", dir.display()))
+        })?;
         Ok(Self { dir: Dir::Given(dir) })
     }
 
@@ -95,7 +98,9 @@ impl EffectTable<SqliteStore> for SqliteEffects {
             })
             .await?;
         raw.into_iter()
-            .map(|(consumer, id, subject, value)| Ok(EffectRow { consumer, event_id: EventId::new(id)?, subject, value }))
+            .map(|(consumer, id, subject, value)| {
+                Ok(EffectRow { consumer, event_id: EventId::new(id)?, subject, value })
+            })
             .collect()
     }
 }

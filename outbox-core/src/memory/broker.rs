@@ -46,7 +46,11 @@ struct Shared {
 /// subscription left unacknowledged.
 ///
 /// Publishing to a destination that was never declared (nor subscribed to) fails with
-/// [`ErrorKind::Unroutable`]: like a broker without auto-created topics, it can tell.
+/// [`ErrorKind::Unroutable`]: like a broker without auto-created topics, it can tell. A
+/// destination declared without groups is a log, as a Kafka topic or a Redis stream is: what is
+/// published there is kept, and a group that joins later starts at the beginning. It never
+/// accepts a message and drops it (what a RabbitMQ publish without `mandatory` does when no
+/// queue is bound).
 #[derive(Debug, Clone)]
 pub struct MemoryBroker {
     shared: Arc<Shared>,

@@ -53,26 +53,26 @@ pub(crate) struct DemoArgs {
     #[arg(long, value_name = "PATH", conflicts_with = "store")]
     db: Option<PathBuf>,
     /// Events (credits) to commit.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1000)]
     events: u64,
     /// Accounts the credits go to.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     accounts: u64,
     /// Relay lease length, in milliseconds.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 200)]
     lease_ms: u64,
     /// Events relay A stalls on after sending them, until relay B has claimed and published them
     /// again.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 100)]
     stalls: u64,
     /// Seed for the credit amounts.
-    #[arg(long, default_value_t = 42)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 42)]
     seed: u64,
     /// Keep what the run created (temporary files, PostgreSQL schema, broker destination).
     #[arg(long)]
     keep: bool,
     /// Give up (exit 1) when the relays have not emptied the outbox within this many seconds.
-    #[arg(long, value_name = "SECONDS", default_value_t = 120)]
+    #[arg(long, allow_negative_numbers = true, value_name = "SECONDS", default_value_t = 120)]
     timeout: u64,
     /// No progress bars.
     #[arg(long)]

@@ -38,10 +38,10 @@ pub(crate) struct InspectArgs {
     #[arg(long, value_enum)]
     status: Option<Status>,
     /// At most this many rows.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 50)]
     limit: usize,
     /// Start after this row id.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     after: RowId,
 }
 
@@ -84,7 +84,7 @@ pub(crate) enum ParkedCommand {
         #[command(flatten)]
         store: StoreArgs,
         /// At most this many rows.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, allow_negative_numbers = true, default_value_t = 100)]
         limit: usize,
     },
     /// Make parked rows pending again (attempts reset); the relay publishes them.

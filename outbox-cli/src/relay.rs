@@ -25,10 +25,10 @@ pub(crate) struct RelayArgs {
     #[arg(long, env = "OUTBOX_BROKER_URL", hide_env_values = true)]
     broker: String,
     /// Rows claimed per batch.
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     batch: u32,
     /// Publishes in flight at once (rows of one key are always published in order, one at a time).
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     concurrency: u32,
     /// Lease length per claim (`30s`, `500ms`, `2m`): how long a row stays with this relay before
     /// another may take it.
@@ -38,7 +38,7 @@ pub(crate) struct RelayArgs {
     #[arg(long)]
     owner: Option<String>,
     /// Failed publish attempts after which a row is parked.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
     max_attempts: u32,
     /// Poll interval when idle. Stores that signal new rows (PostgreSQL LISTEN/NOTIFY, SQLite
     /// in-process) wake the relay at once; the poll is the safety net.

@@ -264,8 +264,10 @@ fn bad_urls_and_wrong_passwords_are_one_clear_line_without_the_secret() {
         vec!["relay", "--store", "memory://", "--broker", "memory://", "--lease", "30"],
         vec!["relay", "--store", "memory://", "--broker", "memory://", "--batch", "0"],
         vec!["stats", "--store", "memory://", "--log", "no such filter=!!"],
+        vec!["demo", "--events", "-5"],
     ] {
         let out = run(&args, Duration::from_secs(30));
         assert_eq!(out.status.code(), Some(2), "{args:?}: {:?}", text(&out));
+        assert!(!text(&out).1.contains("unexpected argument"), "{args:?}: {:?}", text(&out));
     }
 }

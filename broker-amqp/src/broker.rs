@@ -332,6 +332,21 @@ impl Inner {
         let exchange = self.config.exchange_name(&event.destination)?;
         let routing_key = self.config.routing_key_for(event)?;
         let properties = codec::encode(event)?;
+        // Checked before anything is sent: an oversized content header is a connection-level
+        // FRAME_ERROR that would take down every channel sharing the connection.
+        let frame_max = self.connection(&self.publisher).await?.configuration().frame_max();
+        let header_bytes = codec::content_header_frame_bytes(event);
+        if frame_max != 0 && header_bytes > frame_max as usize {
+            return Err(Error::permanent(
+                ErrorKind::TooLarge,
+                BACKEND,
+                format!(
+                    "event {}: its properties and headers need a {header_bytes}-byte content-header frame, larger \
+                     than the connection's negotiated frame_max of {frame_max}; not sent",
+                    event.id
+                ),
+            ));
+        }
         let _permit = self
             .window
             .acquire()

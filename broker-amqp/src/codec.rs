@@ -58,6 +58,31 @@ pub(crate) fn encode(event: &Event) -> Result<BasicProperties> {
         .with_headers(table))
 }
 
+/// Bytes of the content-header frame that carries `event`'s properties, as [`encode`] builds
+/// them: frame envelope (8), class, weight, body size and property flags (14), delivery mode,
+/// `message_id` and the header table (AMQP 0-9-1 field-table encoding).
+///
+/// The whole frame must fit the connection's negotiated `frame_max`: RabbitMQ answers a larger
+/// one with `FRAME_ERROR` and closes the connection, with every channel on it. So the broker
+/// checks this before sending, and refuses the one message instead.
+pub(crate) fn content_header_frame_bytes(event: &Event) -> usize {
+    // A table entry: short-string name, a type byte, then the value.
+    let entry = |name: usize, value: usize| 1 + name + 1 + value;
+    let long_string = |len: usize| 4 + len;
+    let mut table = 4;
+    let mut names = 4;
+    for (name, value) in &event.headers {
+        table += entry(name.len(), long_string(value.len()));
+        names += 1 + long_string(name.len());
+    }
+    table += entry(HEADER_NAMES_HEADER.len(), names);
+    if let Some(key) = &event.key {
+        table += entry(KEY_HEADER.len(), long_string(key.len()));
+    }
+    let properties = 1 + (1 + event.id.as_str().len()) + table;
+    8 + 14 + properties
+}
+
 fn corrupt(message: String) -> Error {
     Error::new(ErrorKind::Corrupt, Retry::Permanent, BACKEND, message)
 }

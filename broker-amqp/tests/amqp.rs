@@ -591,3 +591,77 @@ async fn concurrent_routable_and_unroutable_publishes_are_told_apart() {
     }
     assert_eq!(bound.depth(0).await, (N / 2) as u32);
 }
+
+/// The server-side ids of the connections whose name starts with `name`, or `None` without
+/// `rabbitmqctl`.
+fn connection_pids(name: &str) -> Option<BTreeSet<String>> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["list_connections", "-q", "--no-table-headers", "pid", "client_properties"])
+        .output()
+        .ok()?;
+    let listing = String::from_utf8_lossy(&out.stdout);
+    Some(
+        listing
+            .lines()
+            .filter(|l| l.contains(name))
+            .filter_map(|l| l.split_whitespace().next())
+            .map(String::from)
+            .collect(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_header_beyond_frame_max_is_refused_unsent_and_the_connection_survives() {
+    if !server() {
+        return;
+    }
+    // RabbitMQ answers a frame over the negotiated frame_max with FRAME_ERROR and closes the
+    // whole connection. A small frame_max makes a header within the outbox's own limit too big.
+    const FRAME_MAX: usize = 8192;
+    let sep = if url().contains('?') { '&' } else { '?' };
+    let name = unique("frame");
+    let config = AmqpConfig::from_url(&format!("{}{sep}frame_max={FRAME_MAX}", url()))
+        .unwrap()
+        .with_exchange_prefix("outbox-test.")
+        .unwrap()
+        .with_queue_prefix("outbox-test.")
+        .unwrap()
+        .with_connection_name(name.clone());
+    let fx = Fixture {
+        broker: AmqpBroker::new(config),
+        destination: Destination::new(unique("frame")).unwrap(),
+        groups: vec![ConsumerGroup::new("g").unwrap()],
+    };
+    fx.declare().await;
+    let mut sub = fx.subscribe(0).await;
+    fx.broker.publish(&fx.event("first")).await.unwrap();
+    assert_eq!(next(&mut sub).await.event.id.as_str(), "first");
+    let before = connection_pids(&name);
+
+    // The content-header frame of an event with id "at-limit" (8 bytes), no key and one header
+    // "h" of v bytes: frame envelope 8 + class/weight/size/flags 14 + delivery mode 1 +
+    // message_id 1+8 + table (4 + "h" entry 1+1+1+4+v + x-outbox-headers entry 1+16+1+(4+1+4+1))
+    // = 71 + v bytes.
+    let value_at_limit = FRAME_MAX - 71;
+    let over = fx.event("over-limit").with_header("h", vec![b'x'; value_at_limit + 1]);
+    let err = fx.broker.publish(&over).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
+    assert_eq!(err.retry(), Retry::Permanent, "{err}");
+    assert!(err.message().contains("over-limit") && err.message().contains("8192"), "{err}");
+
+    // Exactly at the limit: sent, and the server takes it (the size computation is exact).
+    let at = Event::new(EventId::new("at-limit").unwrap(), fx.destination.clone(), b"p".to_vec())
+        .with_header("h", vec![b'y'; value_at_limit]);
+    fx.broker.publish(&at).await.unwrap();
+    let d = next(&mut sub).await;
+    assert_eq!(d.event, at, "the event at the limit arrives whole; the oversized one never does");
+    d.ack().await.unwrap();
+    assert!(sub.next(QUIET).await.unwrap().is_none(), "nothing else arrives");
+
+    if let (Some(before), Some(after)) = (before, connection_pids(&name)) {
+        assert_eq!(before.len(), 2, "a publishing and a consuming connection: {before:?}");
+        assert_eq!(before, after, "the refused publish must not cost a connection");
+    } else {
+        eprintln!("rabbitmqctl is not installed; connection identity not checked");
+    }
+}

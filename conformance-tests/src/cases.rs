@@ -295,6 +295,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "broker_oversized_message_is_permanent_and_harmless",
+            class: "Broker::publish",
+            property: "an event with a 2 MiB header value or a 2 MiB payload is refused with a permanent TooLarge \
+                       error, and the broker keeps working: an ordinary event published right after is received",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_claim_skips_live_leases",
             class: "OutboxStore::claim",
             property: "concurrent claims never return a row while its lease is valid; every claim increments the token",
@@ -574,6 +582,7 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "broker_groups_receive_only_their_destination" => {
                 broker_groups_receive_only_their_destination(harness).await
             }
+            "broker_oversized_message_is_permanent_and_harmless" => broker_oversized_message(harness).await,
             "store_concurrent_claims_never_share_a_row" => store_concurrent_claims(harness).await,
             "store_complete_many_answers_each_row_as_complete_would" => store_complete_many(harness).await,
             "relay_transient_failure_is_retried_not_completed" => relay_transient_failure(harness, engines).await,
@@ -1005,6 +1014,60 @@ async fn broker_unroutable_is_error<H: Harness>(h: &H) -> outbox_core::Result<Ca
             Ok(CaseResult::fail(CASE, "", format!("expected an Unroutable error, got {:?}: {err}", err.kind())))
         }
     }
+}
+
+async fn broker_oversized_message<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_oversized_message_is_permanent_and_harmless";
+    const BIG: usize = 2 * 1024 * 1024;
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let tag = crate::world::unique_tag();
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    // Built field by field: `Event` does not validate on construction, so this is what a
+    // producer that skips the store (or a store with looser limits) could hand a broker.
+    let big_header = Event::new(EventId::new(format!("big-h.{tag}"))?, fx.destination.clone(), b"h".to_vec())
+        .with_header("trace", vec![b't'; BIG]);
+    let big_payload = Event::new(EventId::new(format!("big-p.{tag}"))?, fx.destination.clone(), vec![b'p'; BIG]);
+    let mut notes = Vec::new();
+    for big in [&big_header, &big_payload] {
+        match fx.broker.publish(big).await {
+            Ok(()) => return Ok(CaseResult::fail(CASE, "", format!("the broker accepted oversized {}", big.id))),
+            Err(err) => {
+                ensure!(
+                    CASE,
+                    err.kind() == ErrorKind::TooLarge && err.retry() == Retry::Permanent,
+                    "publishing oversized {} failed with {:?}/{:?} instead of a permanent TooLarge: {err}",
+                    big.id,
+                    err.kind(),
+                    err.retry()
+                );
+                notes.push(format!("{}: {err}", big.id));
+            }
+        }
+    }
+    // The same broker handle, right after: whatever connection it shares must still work.
+    let normal = Event::new(EventId::new(format!("after.{tag}"))?, fx.destination.clone(), b"ok".to_vec());
+    if let Err(err) = fx.broker.publish(&normal).await {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!("publishing {} after the oversized ones failed: {err}", normal.id),
+        ));
+    }
+    let mut received = false;
+    let mut others = Vec::new();
+    while !received && others.len() <= MAX_DELIVERIES {
+        let Some(d) = receive_within(sub.as_mut(), wait).await? else { break };
+        let id = d.event.id.clone();
+        d.ack().await?;
+        if id == normal.id {
+            received = true;
+        } else {
+            others.push(id);
+        }
+    }
+    ensure!(CASE, others.is_empty(), "an oversized event reached the subscriber: {others:?}");
+    ensure!(CASE, received, "{} published after the oversized events never arrived", normal.id);
+    Ok(CaseResult::Passed(format!("{}; {} received after", notes.join("; "), normal.id)))
 }
 
 async fn store_fixture<H: Harness>(

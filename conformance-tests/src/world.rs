@@ -618,7 +618,8 @@ pub async fn next_bounded(sub: &mut dyn Subscription, wait: Duration) -> Result<
     }
 }
 
-/// [`Consumer::drain`] with a bound: process deliveries until none arrives within `wait`, at
+/// [`Consumer::drain`] with a bound: process deliveries until none arrives within `wait` (the first
+/// within `3 × wait`: a fresh member may have to join its group first), at
 /// most `max`. Returns what happened to each and whether the subscription went quiet.
 ///
 /// # Errors
@@ -631,7 +632,10 @@ pub async fn drain_bounded<I: Inbox>(
 ) -> Result<(Vec<Handled>, bool)> {
     let mut out = Vec::new();
     while out.len() < max {
-        let Some(d) = next_bounded(sub, wait).await? else { return Ok((out, true)) };
+        // A fresh member may first have to join its group (Kafka: a rebalance of a few seconds on
+        // a loaded machine): give the first delivery a longer grace than "quiet" needs.
+        let this_wait = if out.is_empty() { wait * 3 } else { wait };
+        let Some(d) = next_bounded(sub, this_wait).await? else { return Ok((out, true)) };
         out.push(consumer.process(d).await?);
     }
     Ok((out, false))

@@ -28,6 +28,14 @@ pub const MAX_KEY_LEN: usize = 512;
 pub const MAX_HEADER_NAME_LEN: usize = 128;
 /// Default largest payload a store accepts (1 MiB). Stores may be configured otherwise.
 pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
+/// Largest total size of an event's headers, in bytes: the names plus the values of all of them
+/// (64 KiB). [`Event::validate`] refuses more with [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge).
+///
+/// Headers travel outside the payload on every broker and some carry them in a size-capped
+/// frame: RabbitMQ puts them in one content-header frame that must fit the negotiated
+/// `frame_max` (128 KiB by default, and a larger header breaks the whole connection). 64 KiB
+/// leaves room for the adapter's own properties within the smallest common frame size.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
 
 fn invalid(message: String) -> Error {
     Error::invalid_input("outbox", message)
@@ -240,8 +248,10 @@ impl Event {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a key or header name that
-    /// is too long or not printable, or [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge) for a
-    /// payload over `max_payload` bytes. The message names the event id.
+    /// is too long or not printable, or [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge)
+    /// (permanent) for a payload over `max_payload` bytes or headers whose names and values
+    /// together exceed [`DEFAULT_MAX_HEADER_BYTES`]. The message names the event id, the size
+    /// and the limit.
     pub fn validate(&self, max_payload: usize) -> Result<()> {
         if let Some(key) = &self.key {
             if key.len() > MAX_KEY_LEN {
@@ -263,6 +273,18 @@ impl Event {
                 )));
             }
         }
+        let header_bytes = self.header_bytes();
+        if header_bytes > DEFAULT_MAX_HEADER_BYTES {
+            return Err(Error::permanent(
+                crate::ErrorKind::TooLarge,
+                "outbox",
+                format!(
+                    "event {}: headers are {header_bytes} bytes (names and values), larger than the limit of \
+                     {DEFAULT_MAX_HEADER_BYTES}",
+                    self.id
+                ),
+            ));
+        }
         if self.payload.len() > max_payload {
             return Err(Error::permanent(
                 crate::ErrorKind::TooLarge,
@@ -275,6 +297,11 @@ impl Event {
             ));
         }
         Ok(())
+    }
+
+    /// Total size of the headers as [`Event::validate`] counts it: names plus values, in bytes.
+    pub fn header_bytes(&self) -> usize {
+        self.headers.iter().map(|(name, value)| name.len() + value.len()).sum()
     }
 
     /// A digest of everything that defines the event's content (destination, key, headers,
@@ -459,6 +486,31 @@ mod tests {
         let e = Event::new(EventId::new("a").unwrap(), Destination::new("d").unwrap(), vec![0; 11]);
         assert_eq!(e.validate(10).unwrap_err().kind(), ErrorKind::TooLarge);
         assert!(e.validate(11).is_ok());
+    }
+
+    #[test]
+    fn oversized_headers_are_too_large_and_permanent() {
+        let id = EventId::new("ev-big-headers").unwrap();
+        let d = Destination::new("d").unwrap();
+        // Exactly at the limit: one name of 4 bytes plus a value filling the rest.
+        let at_limit = Event::new(id.clone(), d.clone(), b"p".to_vec())
+            .with_header("big1", vec![b'x'; DEFAULT_MAX_HEADER_BYTES - 4]);
+        assert_eq!(at_limit.header_bytes(), DEFAULT_MAX_HEADER_BYTES);
+        assert!(at_limit.validate(DEFAULT_MAX_PAYLOAD).is_ok());
+        // One byte more, spread over two headers: the total counts, not each header.
+        let over = at_limit.clone().with_header("b", Vec::new());
+        assert_eq!(over.header_bytes(), DEFAULT_MAX_HEADER_BYTES + 1);
+        let err = over.validate(DEFAULT_MAX_PAYLOAD).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
+        assert_eq!(err.retry(), crate::Retry::Permanent, "{err}");
+        for part in
+            ["ev-big-headers", &(DEFAULT_MAX_HEADER_BYTES + 1).to_string(), &DEFAULT_MAX_HEADER_BYTES.to_string()]
+        {
+            assert!(err.message().contains(part), "{part:?} missing from {err}");
+        }
+        // A 10 MB value, the case from the field, is refused even with a huge payload limit.
+        let huge = Event::new(id, d, Vec::new()).with_header("trace", vec![0; 10 * 1024 * 1024]);
+        assert_eq!(huge.validate(usize::MAX).unwrap_err().kind(), ErrorKind::TooLarge);
     }
 
     #[test]

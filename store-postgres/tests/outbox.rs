@@ -149,6 +149,12 @@ async fn validation_happens_before_anything_is_written() {
     assert!(err.message().contains("big"), "{err}");
     let bad_key = event("k", b"").with_key("a\u{7}b");
     assert_eq!(db.store.enqueue(&[bad_key]).await.unwrap_err().kind(), ErrorKind::InvalidInput);
+    // Headers have a limit of their own (64 KiB), whatever the payload limit.
+    let huge = event("big-headers", b"").with_header("trace", vec![b'x'; 10 * 1024 * 1024]);
+    let err = db.store.enqueue(&[event("ok2", b""), huge]).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
+    assert!(err.is_permanent());
+    assert!(err.message().contains("big-headers") && err.message().contains("65536"), "{err}");
     assert!(all_rows(&db.store).await.unwrap().is_empty());
 }
 

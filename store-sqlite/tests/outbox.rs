@@ -287,7 +287,20 @@ async fn oversized_payload_is_too_large_and_nothing_is_written() {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).unwrap();
     let err = db.store.enqueue_one_in(&tx, &event("big2", &[0; 17])).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::TooLarge);
+    // Headers have a limit of their own, whatever the payload limit: a 10 MB value is refused
+    // by the store, by the free functions and at enqueue_in alike.
+    let huge = event("big-headers", b"p").with_header("trace", vec![b'x'; 10 * 1024 * 1024]);
+    for err in [
+        db.store.enqueue_in(&tx, std::slice::from_ref(&huge)).unwrap_err(),
+        outbox_store_sqlite::enqueue_one(&tx, &huge).unwrap_err(),
+    ] {
+        assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
+        assert!(err.is_permanent());
+        assert!(err.message().contains("big-headers") && err.message().contains("65536"), "{err}");
+    }
     tx.commit().unwrap();
+    let err = db.store.enqueue(&[event("ok2", b"1"), huge]).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
     assert_eq!(count(&conn, "outbox_rows"), 0);
 }
 

@@ -249,32 +249,39 @@ pub(crate) async fn parked(cmd: ParkedCommand) -> Result<()> {
         }
         ParkedCommand::Requeue { store, select } => {
             let store = open(&store).await?;
-            let n =
-                for_parked(&*store.outbox(), &select, |o, ids| Box::pin(async move { o.requeue_parked(&ids).await }))
-                    .await?;
+            let n = for_parked(&*store.outbox(), &select, ParkedOp::Requeue).await?;
             println!("requeued {n} row(s)");
             Ok(())
         }
         ParkedCommand::Purge { store, select } => {
             let store = open(&store).await?;
-            let n = for_parked(&*store.outbox(), &select, |o, ids| Box::pin(async move { o.purge_parked(&ids).await }))
-                .await?;
+            let n = for_parked(&*store.outbox(), &select, ParkedOp::Purge).await?;
             println!("purged {n} row(s)");
             Ok(())
         }
     }
 }
 
-type Op<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64>> + Send + 'a>>;
+/// What `outbox parked` does to the selected rows.
+#[derive(Clone, Copy)]
+enum ParkedOp {
+    Requeue,
+    Purge,
+}
+
+impl ParkedOp {
+    async fn apply(self, outbox: &dyn OutboxStore, ids: &[RowId]) -> Result<u64> {
+        match self {
+            Self::Requeue => outbox.requeue_parked(ids).await,
+            Self::Purge => outbox.purge_parked(ids).await,
+        }
+    }
+}
 
 /// Apply `op` to the selected parked rows: the given ids, or every parked row page by page.
-async fn for_parked<'a>(
-    outbox: &'a dyn OutboxStore,
-    select: &Selection,
-    op: impl Fn(&'a dyn OutboxStore, Vec<RowId>) -> Op<'a>,
-) -> Result<u64> {
+async fn for_parked(outbox: &dyn OutboxStore, select: &Selection, op: ParkedOp) -> Result<u64> {
     if !select.all {
-        let n = op(outbox, select.ids.clone()).await?;
+        let n = op.apply(outbox, &select.ids).await?;
         let missing = select.ids.len() as u64 - n.min(select.ids.len() as u64);
         if missing > 0 {
             eprintln!("note: {missing} of the given id(s) were not parked rows and were left alone");
@@ -287,7 +294,7 @@ async fn for_parked<'a>(
         if page.is_empty() {
             return Ok(total);
         }
-        let n = op(outbox, page.clone()).await?;
+        let n = op.apply(outbox, &page).await?;
         if n == 0 {
             // Rows listed as parked but not changed: another operator got there first, or the
             // store disagrees with itself. Stop rather than loop.

@@ -706,6 +706,12 @@ pub fn encode_path(path: &str) -> String {
     utf8_percent_encode(path, PATH_KEEP).to_string()
 }
 
+/// The scheme of `url`, lower-cased, when it has one of the form `[A-Za-z][A-Za-z0-9+.-]*`
+/// (how a program picks the backend before parsing the rest).
+pub fn scheme_of(url: &str) -> Option<String> {
+    split_scheme(url).map(|(scheme, _)| scheme.to_ascii_lowercase())
+}
+
 /// Split `scheme:rest` when the scheme is `[A-Za-z][A-Za-z0-9+.-]*`.
 fn split_scheme(url: &str) -> Option<(&str, &str)> {
     let (scheme, rest) = url.split_once(':')?;

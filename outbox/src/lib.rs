@@ -3,6 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use outbox_core::config::scheme_of;
 use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryOutbox};
 
 pub use outbox_consumer_inbox as consumer;
@@ -34,15 +35,6 @@ const STORE_SCHEMES: &[(&str, &str)] =
 /// Every broker scheme this crate knows, with the cargo feature that enables it.
 const BROKER_SCHEMES: &[(&str, &str)] =
     &[("kafka", "kafka"), ("amqp", "amqp"), ("amqps", "amqp"), ("redis", "redis"), ("rediss", "redis"), ("memory", "")];
-
-/// The scheme of `url` (the text before the first `:`), lower-cased.
-fn scheme_of(url: &str) -> Option<String> {
-    let (scheme, _) = url.split_once(':')?;
-    let valid = !scheme.is_empty()
-        && scheme.starts_with(|c: char| c.is_ascii_alphabetic())
-        && scheme.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
-    valid.then(|| scheme.to_ascii_lowercase())
-}
 
 fn unknown_scheme(what: &str, url: &str, known: &[(&str, &str)]) -> Error {
     let list: Vec<String> = known

@@ -443,6 +443,11 @@ impl Broker for AmqpBroker {
         BACKEND
     }
 
+    /// [`AmqpConfig::capabilities`]: delivery count on quorum queues only.
+    fn capabilities(&self) -> outbox_core::Capabilities {
+        self.config().capabilities()
+    }
+
     /// Declare a durable topic exchange for `destination` and, for each group, a durable queue
     /// bound with `#`. With `declare_topology` off, only check that they exist.
     async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {

@@ -5,11 +5,14 @@
 //! headers exchange can see them. RabbitMQ adds headers of its own on the way (a quorum queue's
 //! `x-delivery-count`, `x-death` after dead-lettering), so decoding must not take "every
 //! header": the publisher lists the application header names in `x-outbox-headers`, and only
-//! those are read back. The event key travels in `x-outbox-key`, the event id as `message_id`.
+//! those are read back. The event key travels in `x-outbox-key`, the event id as `message_id`,
+//! and the reserved `content-type` header as the `content_type` property (where AMQP clients
+//! look for it). The crate README's wire-format table is the specification; a test reads it.
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
-use outbox_core::{Destination, Error, ErrorKind, Event, EventId, Headers, Result, Retry};
+use outbox_core::event::CONTENT_TYPE_HEADER;
+use outbox_core::{Destination, Error, Event, EventId, Headers, Malformed, RawMessage, Result};
 
 use crate::config::QueueType;
 use crate::error::BACKEND;
@@ -38,7 +41,15 @@ pub fn is_reserved_header(name: &str) -> bool {
 pub(crate) fn encode(event: &Event) -> Result<BasicProperties> {
     let mut table = FieldTable::default();
     let mut names = FieldArray::default();
+    let mut content_type = None;
     for (name, value) in &event.headers {
+        if name == CONTENT_TYPE_HEADER {
+            let text = std::str::from_utf8(value).map_err(|_| {
+                Error::invalid_input(BACKEND, format!("event {}: the content type is not text", event.id))
+            })?;
+            content_type = Some(ShortString::from(text));
+            continue;
+        }
         if is_reserved_header(name) {
             return Err(Error::invalid_input(
                 BACKEND,
@@ -52,10 +63,14 @@ pub(crate) fn encode(event: &Event) -> Result<BasicProperties> {
     if let Some(key) = &event.key {
         table.insert(KEY_HEADER.into(), AMQPValue::LongString(LongString::from(key.as_bytes())));
     }
-    Ok(BasicProperties::default()
+    let properties = BasicProperties::default()
         .with_delivery_mode(DELIVERY_MODE_PERSISTENT)
         .with_message_id(event.id.as_str().into())
-        .with_headers(table))
+        .with_headers(table);
+    Ok(match content_type {
+        Some(ct) => properties.with_content_type(ct),
+        None => properties,
+    })
 }
 
 /// Bytes of the content-header frame that carries `event`'s properties, as [`encode`] builds
@@ -71,7 +86,12 @@ pub(crate) fn content_header_frame_bytes(event: &Event) -> usize {
     let long_string = |len: usize| 4 + len;
     let mut table = 4;
     let mut names = 4;
+    let mut content_type = 0;
     for (name, value) in &event.headers {
+        if name == CONTENT_TYPE_HEADER {
+            content_type = 1 + value.len();
+            continue;
+        }
         table += entry(name.len(), long_string(value.len()));
         names += 1 + long_string(name.len());
     }
@@ -79,12 +99,8 @@ pub(crate) fn content_header_frame_bytes(event: &Event) -> usize {
     if let Some(key) = &event.key {
         table += entry(KEY_HEADER.len(), long_string(key.len()));
     }
-    let properties = 1 + (1 + event.id.as_str().len()) + table;
+    let properties = 1 + (1 + event.id.as_str().len()) + table + content_type;
     8 + 14 + properties
-}
-
-fn corrupt(message: String) -> Error {
-    Error::new(ErrorKind::Corrupt, Retry::Permanent, BACKEND, message)
 }
 
 fn bytes(value: &AMQPValue) -> Option<&[u8]> {
@@ -95,27 +111,47 @@ fn bytes(value: &AMQPValue) -> Option<&[u8]> {
     }
 }
 
-/// Rebuild the event of a delivery from `destination` (the subscription's).
+/// Rebuild the event of a delivery from `destination` (the subscription's), or say why it is not
+/// one.
 ///
 /// A message without a `message_id` that is a valid event id, or with a malformed outbox header,
-/// was not published by this crate: [`ErrorKind::Corrupt`].
-pub(crate) fn decode(destination: &Destination, properties: &BasicProperties, payload: Vec<u8>) -> Result<Event> {
-    let id = properties
-        .message_id()
-        .as_ref()
-        .ok_or_else(|| corrupt(format!("a message on {destination} has no message_id, so it has no event id")))?;
+/// was not published by this crate; an event that breaks the rules of
+/// [`Event::validate`](outbox_core::Event::validate) on receive is not accepted either
+/// ([`Malformed::of_event`]).
+///
+/// On failure the payload is handed back with the problem, for the raw message.
+pub(crate) fn decode(
+    destination: &Destination,
+    properties: &BasicProperties,
+    payload: Vec<u8>,
+) -> std::result::Result<Event, (Malformed, String, Vec<u8>)> {
+    let (id, key, headers) = match parts(properties) {
+        Ok(parts) => parts,
+        Err((problem, detail)) => return Err((problem, detail, payload)),
+    };
+    let event = Event { id, destination: destination.clone(), key, headers, payload };
+    match Malformed::of_event(&event) {
+        None => Ok(event),
+        Some((problem, detail)) => Err((problem, detail, event.payload)),
+    }
+}
+
+type Parts = (EventId, Option<String>, Headers);
+
+fn parts(properties: &BasicProperties) -> std::result::Result<Parts, (Malformed, String)> {
+    let id = properties.message_id().as_ref().ok_or((Malformed::NoEventId, "no message_id property".to_string()))?;
     let id = EventId::new(id.as_str())
-        .map_err(|e| corrupt(format!("a message on {destination} has an invalid event id: {}", e.message())))?;
+        .map_err(|e| (Malformed::BadEventId, format!("message_id {:?}: {}", id.as_str(), e.message())))?;
     let empty = FieldTable::default();
     let table = properties.headers().as_ref().unwrap_or(&empty).inner();
 
     let key = match table.get(KEY_HEADER) {
         None => None,
         Some(v) => {
-            let raw = bytes(v).ok_or_else(|| corrupt(format!("event {id}: header {KEY_HEADER} is not a string")))?;
+            let raw = bytes(v).ok_or((Malformed::UnknownFormat, format!("header {KEY_HEADER} is not a string")))?;
             Some(
                 String::from_utf8(raw.to_vec())
-                    .map_err(|_| corrupt(format!("event {id}: header {KEY_HEADER} is not UTF-8")))?,
+                    .map_err(|_| (Malformed::BadKey, format!("header {KEY_HEADER} is not UTF-8")))?,
             )
         }
     };
@@ -124,17 +160,22 @@ pub(crate) fn decode(destination: &Destination, properties: &BasicProperties, pa
     match table.get(HEADER_NAMES_HEADER) {
         Some(AMQPValue::FieldArray(names)) => {
             for name in names.as_slice() {
-                let name = bytes(name)
-                    .and_then(|n| std::str::from_utf8(n).ok())
-                    .ok_or_else(|| corrupt(format!("event {id}: {HEADER_NAMES_HEADER} holds a non-text name")))?;
-                let value = table
-                    .get(name)
-                    .and_then(bytes)
-                    .ok_or_else(|| corrupt(format!("event {id}: header {name:?} is missing or not a byte string")))?;
-                headers.insert(name.to_string(), value.to_vec());
+                let name = bytes(name).and_then(|n| std::str::from_utf8(n).ok()).ok_or((
+                    Malformed::BadHeaderName,
+                    format!("{HEADER_NAMES_HEADER} holds a name that is not text"),
+                ))?;
+                let value = table.get(name).and_then(bytes).ok_or((
+                    Malformed::UnknownFormat,
+                    format!("header {name:?} is listed in {HEADER_NAMES_HEADER} but missing or not a byte string"),
+                ))?;
+                if headers.insert(name.to_string(), value.to_vec()).is_some() {
+                    return Err((Malformed::DuplicateHeader, format!("{HEADER_NAMES_HEADER} lists {name:?} twice")));
+                }
             }
         }
-        Some(_) => return Err(corrupt(format!("event {id}: header {HEADER_NAMES_HEADER} is not an array"))),
+        Some(_) => {
+            return Err((Malformed::UnknownFormat, format!("header {HEADER_NAMES_HEADER} is not an array")));
+        }
         // Published by another client: its byte-string headers, minus the broker's own.
         None => {
             for (name, value) in table {
@@ -144,7 +185,52 @@ pub(crate) fn decode(destination: &Destination, properties: &BasicProperties, pa
             }
         }
     }
-    Ok(Event { id, destination: destination.clone(), key, headers, payload })
+    if let Some(ct) = properties.content_type()
+        && headers.insert(CONTENT_TYPE_HEADER.to_string(), ct.as_str().as_bytes().to_vec()).is_some()
+    {
+        return Err((
+            Malformed::DuplicateHeader,
+            format!("a {CONTENT_TYPE_HEADER} header and the content_type property are both set"),
+        ));
+    }
+    Ok((id, key, headers))
+}
+
+/// The message as RabbitMQ delivered it: the `message_id`, `content_type` and `type` properties
+/// (named `amqp.message_id`, ...), then every entry of the header table in its order, byte
+/// strings raw and other AMQP values in their debug form.
+pub(crate) fn raw(
+    destination: &Destination,
+    position: String,
+    properties: &BasicProperties,
+    payload: Vec<u8>,
+) -> RawMessage {
+    let mut headers = Vec::new();
+    let props = [
+        ("amqp.message_id", properties.message_id()),
+        ("amqp.content_type", properties.content_type()),
+        ("amqp.type", properties.kind()),
+    ];
+    for (name, value) in props {
+        if let Some(v) = value {
+            headers.push((name.as_bytes().to_vec(), v.as_str().as_bytes().to_vec()));
+        }
+    }
+    if let Some(table) = properties.headers() {
+        for (name, value) in table.inner() {
+            let value = bytes(value).map_or_else(|| format!("{value:?}").into_bytes(), <[u8]>::to_vec);
+            headers.push((name.as_str().as_bytes().to_vec(), value));
+        }
+    }
+    RawMessage {
+        backend: BACKEND,
+        destination: destination.clone(),
+        position,
+        event_id: properties.message_id().as_ref().and_then(|id| EventId::new(id.as_str()).ok()),
+        key: None,
+        headers,
+        payload,
+    }
 }
 
 /// The 1-based delivery attempt: counted by quorum queues only.
@@ -176,6 +262,8 @@ pub(crate) fn attempt(queue_type: QueueType, properties: &BasicProperties, redel
 
 #[cfg(test)]
 mod tests {
+    use outbox_core::ErrorKind;
+
     use super::*;
 
     fn event() -> Event {
@@ -184,6 +272,55 @@ mod tests {
             .with_header("bin", vec![0u8, 0xff, 0xfe, 0])
             .with_header("empty", Vec::new())
             .with_header("text", b"hello".to_vec())
+    }
+
+    /// The rows of the README's wire-format table: `(event part, slot, name or value)`, with
+    /// backticks removed.
+    fn wire_format() -> Vec<(String, String, String)> {
+        let readme = include_str!("../README.md");
+        let start = readme.find("## Wire format").expect("README has a wire-format section");
+        readme[start..]
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.starts_with("## "))
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| event part") && !l.starts_with("|---"))
+            .map(|l| {
+                let cols: Vec<String> = l.trim_matches('|').split('|').map(|c| c.trim().replace('`', "")).collect();
+                (cols[0].clone(), cols[1].clone(), cols[2].clone())
+            })
+            .collect()
+    }
+
+    fn row<'a>(table: &'a [(String, String, String)], part: &str) -> &'a (String, String, String) {
+        table.iter().find(|r| r.0 == part).unwrap_or_else(|| panic!("README wire format has no {part:?} row"))
+    }
+
+    #[test]
+    fn what_the_adapter_writes_is_the_readme_wire_format() {
+        let table = wire_format();
+        let e = Event::new(EventId::new("e-9").unwrap(), Destination::new("d").unwrap(), b"body".to_vec())
+            .with_key("k-1")
+            .with_header("trace", vec![0u8, 0xff])
+            .with_content_type("application/json");
+        let props = encode(&e).unwrap();
+        assert_eq!(row(&table, "event id").2, "message_id");
+        assert_eq!(props.message_id().as_ref().map(ShortString::as_str), Some("e-9"));
+        assert_eq!(row(&table, "content type").2, "content_type");
+        assert_eq!(props.content_type().as_ref().map(ShortString::as_str), Some("application/json"));
+        let headers = props.headers().clone().unwrap();
+        let t = headers.inner();
+        let key = row(&table, "key").2.as_str();
+        assert_eq!(t.get(key).and_then(bytes), Some(&b"k-1"[..]));
+        let header = row(&table, "header").2.replace("<name>", "trace");
+        assert_eq!(t.get(header.as_str()).and_then(bytes), Some(&[0u8, 0xff][..]));
+        let names = row(&table, "header names").2.as_str();
+        assert_eq!(t.get(names), Some(&AMQPValue::FieldArray(vec![AMQPValue::LongString("trace".into())].into())));
+        let mut keys: Vec<&str> = t.keys().map(ShortString::as_str).collect();
+        keys.sort_unstable();
+        let mut want = vec![key, header.as_str(), names];
+        want.sort_unstable();
+        assert_eq!(keys, want, "nothing else in the header table");
+        assert_eq!(row(&table, "payload").1, "body");
     }
 
     #[test]
@@ -229,10 +366,35 @@ mod tests {
     }
 
     #[test]
+    fn content_type_travels_as_the_property() {
+        let e = event().with_content_type("application/json");
+        let props = encode(&e).unwrap();
+        assert_eq!(props.content_type().as_ref().map(ShortString::as_str), Some("application/json"));
+        let table = props.headers().clone().unwrap();
+        assert!(!table.inner().contains_key(CONTENT_TYPE_HEADER), "not a table header");
+        assert_eq!(decode(&e.destination, &props, e.payload.clone()).unwrap(), e);
+        assert_eq!(content_header_frame_bytes(&e), content_header_frame_bytes(&event()) + 1 + "application/json".len());
+    }
+
+    #[test]
     fn foreign_messages() {
         let d = Destination::new("orders").unwrap();
-        let err = decode(&d, &BasicProperties::default(), b"x".to_vec()).unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::Corrupt);
+        let problem = decode(&d, &BasicProperties::default(), b"x".to_vec()).map(|_| ()).unwrap_err().0;
+        assert_eq!(problem, Malformed::NoEventId);
+        let bad_id = BasicProperties::default().with_message_id("a b".into());
+        assert_eq!(decode(&d, &bad_id, vec![]).map(|_| ()).unwrap_err().0, Malformed::BadEventId);
+        let mut table = FieldTable::default();
+        table.insert("bad name".into(), AMQPValue::LongString("v".into()));
+        let bad_name = BasicProperties::default().with_message_id("m-2".into()).with_headers(table);
+        assert_eq!(decode(&d, &bad_name, vec![]).map(|_| ()).unwrap_err().0, Malformed::BadHeaderName);
+        let mut table = FieldTable::default();
+        table.insert(HEADER_NAMES_HEADER.into(), AMQPValue::LongString("x".into()));
+        let unknown = BasicProperties::default().with_message_id("m-3".into()).with_headers(table);
+        assert_eq!(decode(&d, &unknown, vec![]).map(|_| ()).unwrap_err().0, Malformed::UnknownFormat);
+        let raw = raw(&d, "q#1".into(), &unknown, b"body".to_vec());
+        assert_eq!(raw.headers[0], (b"amqp.message_id".to_vec(), b"m-3".to_vec()));
+        assert_eq!(raw.payload, b"body");
+
         let mut table = FieldTable::default();
         table.insert("trace".into(), AMQPValue::LongString("t-1".into()));
         table.insert("n".into(), AMQPValue::LongInt(4));

@@ -12,7 +12,7 @@ use std::time::Duration;
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use outbox_core::config::{ConnectionUrl, UrlSpec, env_url};
 use outbox_core::event::DEFAULT_MAX_PAYLOAD;
-use outbox_core::{ConsumerGroup, Destination, Error, ErrorKind, Event, Result};
+use outbox_core::{Capabilities, ConsumerGroup, Destination, Error, ErrorKind, Event, Result};
 
 use crate::error::BACKEND;
 
@@ -46,6 +46,7 @@ pub(crate) const QUEUE_NAME_SEPARATOR: char = ':';
 
 /// The type of the queue declared for each consumer group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum QueueType {
     /// A classic queue. RabbitMQ does not count deliveries, so
     /// [`Delivery::attempt`](outbox_core::Delivery::attempt) is `None`; only the `redelivered`
@@ -90,6 +91,7 @@ impl fmt::Display for QueueType {
 /// Each group's queue is bound with `#` and so receives everything either way; the routing key
 /// matters only to bindings someone adds by hand (a topic pattern on a key, say).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum RoutingKey {
     /// The destination name: always a valid routing key (at most 200 bytes).
     #[default]
@@ -393,6 +395,20 @@ impl AmqpConfig {
     pub fn with_connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = name.into();
         self
+    }
+
+    /// What an [`AmqpBroker`](crate::AmqpBroker) built from these settings reports from
+    /// [`Broker::capabilities`](outbox_core::Broker::capabilities).
+    pub fn capabilities(&self) -> Capabilities {
+        // Unroutable: a missing exchange is a 404, an unbound one a `mandatory` return. The
+        // `redelivered` flag is always set; only quorum queues count deliveries. Several
+        // consumers of one queue take turns, so one key's messages can be handled out of order.
+        Capabilities::none()
+            .with_detects_unroutable(true)
+            .with_delivery_count(self.queue_type == QueueType::Quorum)
+            .with_redelivery_flag(true)
+            .with_nack_redelivers(true)
+            .with_max_payload(Some(self.max_payload))
     }
 
     /// The URL with the password replaced by `***`.

@@ -13,7 +13,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::StreamExt;
 use outbox_conformance_tests::world::unique_tag;
-use outbox_conformance_tests::{BrokerFixture, BrokerHarness, Capabilities, Capability};
+use outbox_conformance_tests::{
+    BrokerFixture, BrokerHarness, Capabilities, Capability, Foreign, ForeignKind, ForeignWriter,
+};
 use outbox_core::{Broker, ConsumerGroup, Destination, Result};
 
 use crate::{AmqpBroker, AmqpConfig, QueueType};
@@ -122,7 +124,12 @@ impl BrokerHarness for AmqpBrokerHarness {
             // that no queue is bound to comes back as a `mandatory` return. RedeliveryInfo: the
             // `redelivered` flag (and on quorum queues the delivery count). Nack: `basic.nack`
             // with requeue.
-            present: vec![Capability::DetectsUnroutable, Capability::RedeliveryInfo, Capability::Nack],
+            present: {
+                let mut present = Capability::present_in(&self.config.capabilities());
+                // Raw messages are published with lapin ([`AmqpForeign`]).
+                present.push(Capability::ForeignMessages);
+                present
+            },
             // RabbitMQ requeues a closed channel's unacknowledged deliveries at once and pushes
             // them to the remaining consumers: no server-side timeout to wait out, only round
             // trips (about 50 ms here), so the wait is a margin for a loaded machine.
@@ -142,6 +149,99 @@ impl BrokerHarness for AmqpBrokerHarness {
         // A restarted process has connections of its own; what survives is on the server.
         let config = self.config.clone();
         fixture.restart_broker = Arc::new(move || Arc::new(AmqpBroker::new(config.clone())) as Arc<dyn Broker>);
+        fixture.foreign = Some(Arc::new(AmqpForeign { config: self.config.clone() }));
         Ok(fixture)
+    }
+}
+
+/// Publishes raw messages with lapin (publisher confirms, `mandatory`) to a destination's
+/// exchange, as another AMQP client would. A message cannot carry
+/// [`ForeignKind::DuplicateIdHeader`]: it has one `message_id` property and a header table holds
+/// each name once.
+pub struct AmqpForeign {
+    config: AmqpConfig,
+}
+
+impl std::fmt::Debug for AmqpForeign {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpForeign").field("server", &self.config.redacted_url()).finish()
+    }
+}
+
+#[async_trait]
+impl ForeignWriter for AmqpForeign {
+    async fn write(&self, destination: &Destination, kind: ForeignKind, id: &str, payload: &[u8]) -> Result<Foreign> {
+        use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+        use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
+        use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+        use crate::codec::{HEADER_NAMES_HEADER, KEY_HEADER};
+        let mut table = FieldTable::default();
+        let mut names = FieldArray::default();
+        let mut header = |table: &mut FieldTable, name: &str, value: Vec<u8>| {
+            table.insert(name.into(), AMQPValue::LongString(LongString::from(value)));
+            names.push(AMQPValue::LongString(LongString::from(name.as_bytes())));
+        };
+        let mut message_id = Some(id.to_string());
+        match kind {
+            ForeignKind::NoEventId => message_id = None,
+            ForeignKind::BadEventId => message_id = Some(format!("{id} has spaces")),
+            ForeignKind::DuplicateIdHeader => {
+                return Ok(Foreign::Unsupported(
+                    "an AMQP message has one message_id and its header table holds each name once".into(),
+                ));
+            }
+            ForeignKind::BadHeaderName => header(&mut table, "bad name", b"v".to_vec()),
+            ForeignKind::OversizedHeaders => {
+                header(&mut table, "big", vec![b'x'; ForeignKind::OVERSIZED_HEADER_BYTES]);
+            }
+            ForeignKind::BadKey => {
+                table.insert(KEY_HEADER.into(), AMQPValue::LongString(LongString::from(vec![0xffu8, 0xfe, b'k'])));
+            }
+            ForeignKind::UnknownFormat => {}
+        }
+        let listed = if kind == ForeignKind::UnknownFormat {
+            AMQPValue::LongString(LongString::from("not an array"))
+        } else {
+            AMQPValue::FieldArray(names)
+        };
+        table.insert(HEADER_NAMES_HEADER.into(), listed);
+        let mut properties = BasicProperties::default().with_delivery_mode(2).with_headers(table);
+        if let Some(id) = message_id {
+            properties = properties.with_message_id(id.into());
+        }
+        let failed = |what: &'static str| {
+            move |e: lapin::Error| {
+                outbox_core::Error::transient(outbox_core::ErrorKind::Connection, crate::error::BACKEND, what)
+                    .with_source(e)
+            }
+        };
+        let conn = Connection::connect_uri(self.config.amqp_uri(), ConnectionProperties::default())
+            .await
+            .map_err(failed("connecting to publish a raw message"))?;
+        let channel = conn.create_channel().await.map_err(failed("opening a channel"))?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(failed("confirm.select"))?;
+        let exchange = self.config.exchange_name(destination)?;
+        let confirm = channel
+            .basic_publish(
+                exchange.as_str().into(),
+                destination.as_str().into(),
+                BasicPublishOptions { mandatory: true, immediate: false },
+                payload,
+                properties,
+            )
+            .await
+            .map_err(failed("publishing a raw message"))?
+            .await
+            .map_err(failed("confirming a raw message"))?;
+        let _ = conn.close(200, "OK".into()).await;
+        if confirm.is_nack() || confirm.take_message().is_some() {
+            return Err(outbox_core::Error::transient(
+                outbox_core::ErrorKind::Unroutable,
+                crate::error::BACKEND,
+                format!("the raw {kind} message to {exchange} was not routed or not confirmed"),
+            ));
+        }
+        Ok(Foreign::Written)
     }
 }

@@ -5,10 +5,12 @@
 //! means the exchange is missing (unroutable, nothing was delivered), while the connection
 //! breaking at that moment means the message may or may not have been routed.
 //!
-//! Only failures caused by the event itself are permanent (the relay parks those rows).
-//! Refusals caused by the server's set-up (permissions, a missing exchange, credentials) are
-//! transient: they are not the event's fault, and parking every row because of a typo in a
-//! password would be worse than retrying until an operator fixes it.
+//! Failures caused by the event itself are permanent (the relay parks those rows), and so are
+//! refused credentials while connecting ([`ErrorKind::Auth`]): retrying a wrong password cannot
+//! succeed and may lock the account, so the process should stop and say so. Other refusals
+//! caused by the server's set-up (permissions on an exchange or queue, a missing exchange) are
+//! transient: they are not the event's fault, and an operator can fix them while the relay
+//! retries.
 
 use lapin::ErrorKind as LapinKind;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
@@ -53,8 +55,9 @@ impl Op {
 /// Convert a lapin error raised during `op`; `what` names the object (exchange, queue, event).
 pub(crate) fn from_lapin(err: lapin::Error, op: Op, what: &str) -> Error {
     let (kind, retry) = classify(&err, op);
-    let what = if what.is_empty() { String::new() } else { format!(" ({what})") };
-    Error::new(kind, retry, BACKEND, format!("{}{what} failed", op.describe())).with_source(err)
+    let operation = if what.is_empty() { op.describe().to_string() } else { format!("{} ({what})", op.describe()) };
+    let detail = if kind == ErrorKind::Auth { "the server refused the credentials" } else { "" };
+    Error::new(kind, retry, BACKEND, detail).with_operation(operation).with_source(err)
 }
 
 fn classify(err: &lapin::Error, op: Op) -> (ErrorKind, Retry) {
@@ -83,7 +86,7 @@ fn classify(err: &lapin::Error, op: Op) -> (ErrorKind, Retry) {
         | LapinKind::SerialisationError(_) => lost(ErrorKind::Connection),
         LapinKind::ChannelsLimitReached => (ErrorKind::Busy, Retry::Transient),
         LapinKind::RuntimeShutdownError(_) => (ErrorKind::Closed, Retry::Transient),
-        LapinKind::AuthProviderError(_) => (ErrorKind::Config, Retry::Transient),
+        LapinKind::AuthProviderError(_) => (ErrorKind::Auth, Retry::Permanent),
         LapinKind::InvalidProtocolVersion(_) | LapinKind::NoDefaultRuntime => (ErrorKind::Config, Retry::Permanent),
         LapinKind::FutureCompleted => lost(ErrorKind::Rejected),
         _ => lost(ErrorKind::Connection),
@@ -104,6 +107,9 @@ fn soft_error(soft: &AMQPSoftError, op: Op) -> (ErrorKind, Retry) {
         // A declaration that conflicts with what exists (another queue type, exchange type or
         // durability): an operator has to resolve it.
         AMQPSoftError::PRECONDITIONFAILED => (ErrorKind::Config, Retry::Permanent),
+        // While connecting: the credentials were refused (RabbitMQ closes the connection with
+        // 403 when it can tell the client so). Later: no permission on an exchange or queue.
+        AMQPSoftError::ACCESSREFUSED if op == Op::Connect => (ErrorKind::Auth, Retry::Permanent),
         AMQPSoftError::ACCESSREFUSED => (ErrorKind::Config, Retry::Transient),
         // An exclusive queue held by another connection.
         AMQPSoftError::RESOURCELOCKED => (ErrorKind::Busy, Retry::Transient),

@@ -16,7 +16,10 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Acker, Channel, ChannelStatus, Consumer};
-use outbox_core::{Acknowledge, ConsumerGroup, Delivery, Destination, Error, ErrorKind, Result, Subscription};
+use outbox_core::{
+    Acknowledge, ConsumerGroup, Delivery, Destination, Error, ErrorKind, ForeignDelivery, Received, Result,
+    Subscription,
+};
 use tracing::{debug, warn};
 
 use crate::broker::Inner;
@@ -85,28 +88,22 @@ impl AmqpSubscription {
         }
     }
 
-    async fn deliver(
-        &self,
-        delivery: lapin::message::Delivery,
-        active: (ChannelStatus, Arc<AtomicBool>),
-    ) -> Result<Delivery> {
-        let lapin::message::Delivery { redelivered, properties, data, acker, .. } = delivery;
+    fn deliver(&self, delivery: lapin::message::Delivery, active: (ChannelStatus, Arc<AtomicBool>)) -> Received {
+        let lapin::message::Delivery { delivery_tag, redelivered, properties, data, acker, .. } = delivery;
+        let ack = Box::new(AmqpAck { acker, queue: self.queue.clone(), status: active.0, closed: active.1 });
         match codec::decode(&self.destination, &properties, data) {
             Ok(event) => {
                 let attempt = codec::attempt(self.inner.config.queue_type(), &properties, redelivered);
-                Ok(Delivery::new(
-                    event,
-                    redelivered,
-                    attempt,
-                    Box::new(AmqpAck { acker, queue: self.queue.clone(), status: active.0, closed: active.1 }),
-                ))
+                Received::Event(Delivery::new(event, redelivered, attempt, ack))
             }
-            Err(err) => {
-                // Not an outbox message: it would come back forever. Reject it without requeue,
-                // so it goes to the queue's dead-letter exchange if one is configured.
-                warn!(target: "outbox.amqp", queue = %self.queue, error = %err, "rejecting a message that is not an outbox event");
-                let _ = acker.reject(BasicRejectOptions { requeue: false }).await;
-                Err(err)
+            Err((problem, detail, data)) => {
+                // Not an outbox event: handed out unacknowledged like one, so the consumer records
+                // it first; `reject` (for callers that want events only) sends it to the queue's
+                // dead-letter exchange, if one is configured.
+                debug!(target: "outbox.amqp", queue = %self.queue, %problem, %detail, "message is not an outbox event");
+                let position = format!("{}#{delivery_tag}", self.queue);
+                let raw = codec::raw(&self.destination, position, &properties, data);
+                Received::Foreign(ForeignDelivery::new(raw, problem, detail, redelivered, ack))
             }
         }
     }
@@ -114,7 +111,7 @@ impl AmqpSubscription {
 
 #[async_trait]
 impl Subscription for AmqpSubscription {
-    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
         if self.active.is_none() {
             debug!(target: "outbox.amqp", queue = %self.queue, "consuming again after a broken channel");
             self.start().await?;
@@ -125,7 +122,7 @@ impl Subscription for AmqpSubscription {
         let settle = (active.channel.status().clone(), active.closed.clone());
         match tokio::time::timeout(wait, active.consumer.next()).await {
             Err(_) => Ok(None),
-            Ok(Some(Ok(delivery))) => self.deliver(delivery, settle).await.map(Some),
+            Ok(Some(Ok(delivery))) => Ok(Some(self.deliver(delivery, settle))),
             Ok(Some(Err(e))) => {
                 self.stop();
                 Err(from_lapin(e, Op::Consume, &format!("queue {}", self.queue)))
@@ -234,5 +231,16 @@ impl Acknowledge for AmqpAck {
         }
         let sent = self.acker.nack(BasicNackOptions { multiple: false, requeue: true }).await;
         self.settled(sent, "nack")
+    }
+
+    /// `basic.reject` without requeue: to the queue's dead-letter exchange if one is configured,
+    /// else dropped by RabbitMQ.
+    async fn reject(self: Box<Self>) -> Result<()> {
+        if !self.usable() {
+            return Err(self.gone("reject"));
+        }
+        warn!(target: "outbox.amqp", queue = %self.queue, "rejecting a message that is not an outbox event (to the dead-letter exchange, if any)");
+        let sent = self.acker.reject(BasicRejectOptions { requeue: false }).await;
+        self.settled(sent, "reject")
     }
 }

@@ -204,7 +204,7 @@ async fn relay_does_not_mark_an_unroutable_row_published() {
     fx.broker.declare(&fx.destination, &[]).await.unwrap();
     let store = Arc::new(MemoryOutbox::new(Arc::new(SystemClock)));
     store.enqueue(&[fx.event("row-1")]).await.unwrap();
-    let config = RelayConfig { backoff: Backoff::none(), seed: Some(7), ..RelayConfig::new("relay-amqp-test") };
+    let config = RelayConfig::new("relay-amqp-test").with_backoff(Backoff::none()).with_seed(Some(7));
     let relay = Relay::new(store.clone(), Arc::new(fx.broker.clone()), config);
 
     let report = relay.run_once().await.unwrap();

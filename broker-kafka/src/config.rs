@@ -9,7 +9,7 @@ use std::fmt;
 use std::time::Duration;
 
 use outbox_core::config::{ConnectionUrl, REDACTED, UrlSpec, env_var, is_secret_param};
-use outbox_core::{Error, Result};
+use outbox_core::{Capabilities, Error, Result};
 
 use crate::BACKEND;
 
@@ -42,6 +42,7 @@ const DRIVER_PARAMS: &str = "or a librdkafka property, any name with a dot, such
 /// assert!(!format!("{config:?}").contains("s3cret"));
 /// ```
 #[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KafkaConfig {
     /// `host:port` of the brokers to bootstrap from (`bootstrap.servers`).
     pub bootstrap_servers: Vec<String>,
@@ -245,6 +246,17 @@ impl KafkaConfig {
     pub fn option(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.options.insert(key.into(), value.into());
         self
+    }
+
+    /// What a [`KafkaBroker`](crate::KafkaBroker) built from these settings reports from
+    /// [`Broker::capabilities`](outbox_core::Broker::capabilities).
+    pub fn capabilities(&self) -> Capabilities {
+        // Unroutable: topics are not auto-created, an unknown topic fails the publish. No
+        // delivery count, and a record re-read by a new member after a rebalance is that
+        // member's first delivery of it, so no reliable redelivered flag. The event key is the
+        // record key: one partition, one member, publish order. The size limit is librdkafka's
+        // and the broker's (`message.max.bytes`), not the adapter's.
+        Capabilities::none().with_detects_unroutable(true).with_nack_redelivers(true).with_per_key_ordering(true)
     }
 
     /// Check the values a client would reject later, so that a bad setting fails at

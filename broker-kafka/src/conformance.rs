@@ -13,13 +13,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_conformance_tests::world::unique_tag;
-use outbox_conformance_tests::{BrokerFixture, BrokerHarness, Capabilities, Capability};
+use outbox_conformance_tests::{
+    BrokerFixture, BrokerHarness, Capabilities, Capability, Foreign, ForeignKind, ForeignWriter,
+};
 use outbox_core::{Broker, ConsumerGroup, Destination, Event, Result, Subscription};
 use rdkafka::admin::{AdminClient, AdminOptions};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use crate::{KafkaBroker, KafkaConfig};
+use crate::{EVENT_ID_HEADER, KafkaBroker, KafkaConfig};
 
 /// How long `next` waits before deciding nothing is coming. A redelivery after a dropped
 /// subscription is a fresh member joining the group, being assigned the partition, fetching the
@@ -49,6 +53,10 @@ impl Namespaced {
 impl Broker for Namespaced {
     fn backend(&self) -> &'static str {
         self.kafka.backend()
+    }
+
+    fn capabilities(&self) -> outbox_core::Capabilities {
+        self.kafka.capabilities()
     }
 
     async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
@@ -191,7 +199,12 @@ impl BrokerHarness for KafkaBrokerHarness {
             // topic.metadata.propagation.max.ms. Nack: the subscription hands the delivery out
             // again. Not redelivery info: a record re-read by a new member after a dropped one
             // is that member's first delivery of it (Kafka keeps no delivery count).
-            present: vec![Capability::DetectsUnroutable, Capability::Nack],
+            present: {
+                let mut present = Capability::present_in(&self.config.capabilities());
+                // Raw records are produced with librdkafka ([`KafkaForeign`]).
+                present.push(Capability::ForeignMessages);
+                present
+            },
             delivery_wait: DELIVERY_WAIT,
             sampled_iterations: SAMPLED_ITERATIONS,
             // A fixture is a topic, two groups and a rejoin on a real server: far too slow for
@@ -213,6 +226,72 @@ impl BrokerHarness for KafkaBrokerHarness {
             created.prefixes.push(prefix.clone());
         }
         let broker = Arc::new(Namespaced { kafka: self.kafka.clone(), prefix });
-        Ok(BrokerFixture::new(broker, destination))
+        let mut fx = BrokerFixture::new(broker, destination);
+        let producer = self.config_for_admin().create::<FutureProducer>().map_err(|e| {
+            outbox_core::Error::config(crate::BACKEND, "creating the raw-record producer").with_source(e)
+        })?;
+        fx.foreign = Some(Arc::new(KafkaForeign { producer, timeout: self.config.delivery_timeout }));
+        Ok(fx)
+    }
+}
+
+/// Produces raw records with librdkafka, as another Kafka client would. Kafka records carry no
+/// format marker, so [`ForeignKind::UnknownFormat`] is unsupported: every record with one valid
+/// id header is read as an event.
+pub struct KafkaForeign {
+    producer: FutureProducer,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for KafkaForeign {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaForeign").finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl ForeignWriter for KafkaForeign {
+    async fn write(&self, destination: &Destination, kind: ForeignKind, id: &str, payload: &[u8]) -> Result<Foreign> {
+        let bad_id = format!("{id} has spaces");
+        let other_id = format!("{id}-other");
+        let big = vec![b'x'; ForeignKind::OVERSIZED_HEADER_BYTES];
+        let mut headers: Vec<(&str, &[u8])> = Vec::new();
+        let mut key: Option<&[u8]> = None;
+        match kind {
+            ForeignKind::NoEventId => {}
+            ForeignKind::BadEventId => headers.push((EVENT_ID_HEADER, bad_id.as_bytes())),
+            ForeignKind::UnknownFormat => {
+                return Ok(Foreign::Unsupported("a Kafka record carries no format marker".into()));
+            }
+            ForeignKind::DuplicateIdHeader => {
+                headers.push((EVENT_ID_HEADER, id.as_bytes()));
+                headers.push((EVENT_ID_HEADER, other_id.as_bytes()));
+            }
+            ForeignKind::BadHeaderName => {
+                headers.push((EVENT_ID_HEADER, id.as_bytes()));
+                headers.push(("bad name", b"v"));
+            }
+            ForeignKind::OversizedHeaders => {
+                headers.push((EVENT_ID_HEADER, id.as_bytes()));
+                headers.push(("big", &big));
+            }
+            ForeignKind::BadKey => {
+                headers.push((EVENT_ID_HEADER, id.as_bytes()));
+                key = Some(&[0xff, 0xfe, b'k']);
+            }
+        }
+        let mut owned = OwnedHeaders::new_with_capacity(headers.len());
+        for (name, value) in headers {
+            owned = owned.insert(Header { key: name, value: Some(value) });
+        }
+        let mut record = FutureRecord::<[u8], [u8]>::to(destination.as_str()).payload(payload).headers(owned);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        self.producer.send(record, self.timeout).await.map_err(|(e, _)| {
+            outbox_core::Error::transient(outbox_core::ErrorKind::Connection, crate::BACKEND, "producing a raw record")
+                .with_source(e)
+        })?;
+        Ok(Foreign::Written)
     }
 }

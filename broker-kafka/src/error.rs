@@ -64,11 +64,10 @@ pub(crate) fn classify(code: Code) -> (ErrorKind, Retry) {
         Code::TopicAuthorizationFailed
         | Code::GroupAuthorizationFailed
         | Code::ClusterAuthorizationFailed
-        | Code::TransactionalIdAuthorizationFailed
-        | Code::Authentication
-        | Code::SaslAuthenticationFailed
-        | Code::IllegalSASLState
-        | Code::UnsupportedSASLMechanism => (K::Rejected, Permanent),
+        | Code::TransactionalIdAuthorizationFailed => (K::Rejected, Permanent),
+        // Wrong SASL credentials: the same credentials fail again.
+        Code::Authentication | Code::SaslAuthenticationFailed | Code::IllegalSASLState => (K::Auth, Permanent),
+        Code::UnsupportedSASLMechanism => (K::Config, Permanent),
         Code::InvalidRecord | Code::InvalidTimestamp | Code::InvalidMessage | Code::BadMessage => {
             (K::Rejected, Permanent)
         }
@@ -99,7 +98,8 @@ pub(crate) fn convert(operation: &str, e: KafkaError) -> Error {
         } else {
             (value.as_str(), description.clone())
         };
-        return Error::config(BACKEND, format!("{operation} failed: property {key:?} = {value:?}: {description}"));
+        return Error::config(BACKEND, format!("property {key:?} = {value:?}: {description}"))
+            .with_operation(operation.to_string());
     }
     let (kind, retry) = match &e {
         KafkaError::ClientCreation(_) | KafkaError::Subscription(_) | KafkaError::AdminOpCreation(_) => {
@@ -110,13 +110,14 @@ pub(crate) fn convert(operation: &str, e: KafkaError) -> Error {
         KafkaError::NoMessageReceived => (ErrorKind::Timeout, Retry::Transient),
         other => code_of(other).map_or((ErrorKind::Rejected, Retry::Transient), classify),
     };
-    Error::new(kind, retry, BACKEND, format!("{operation} failed")).with_source(e)
+    let detail = code_of(&e).map(|code| format!("{code:?}")).unwrap_or_default();
+    Error::new(kind, retry, BACKEND, detail).with_operation(operation.to_string()).with_source(e)
 }
 
 /// An error for a librdkafka / broker code reported outside a [`KafkaError`] (admin results).
 pub(crate) fn from_code(operation: &str, code: Code) -> Error {
     let (kind, retry) = classify(code);
-    Error::new(kind, retry, BACKEND, format!("{operation} failed: {code} ({:?})", code))
+    Error::new(kind, retry, BACKEND, format!("{code:?}")).with_operation(operation.to_string()).with_source(code)
 }
 
 #[cfg(test)]
@@ -136,6 +137,10 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::TooLarge);
         assert!(e.is_permanent());
         assert_eq!(e.backend(), "kafka");
+        assert_eq!(e.operation(), Some("publish"));
+        assert!(e.to_string().starts_with("kafka: publish failed: MessageSizeTooLarge"), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
+        assert_eq!(classify(Code::SaslAuthenticationFailed), (ErrorKind::Auth, Retry::Permanent));
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! Tests judge runs by what the broker holds, not by what a consumer happened to see; these
 //! reads use a consumer that never joins a group, so they move no offsets and trigger no
 //! rebalance.
+//!
+//! Compiled only with the `testkit` feature: test inspectors, not part of the stable API.
 
 use std::time::Instant;
 

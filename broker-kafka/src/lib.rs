@@ -4,6 +4,7 @@ mod config;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod error;
+#[cfg(feature = "testkit")]
 mod inspect;
 mod subscription;
 
@@ -20,6 +21,7 @@ use rdkafka::util::Timeout;
 use tracing::{debug, warn};
 
 pub use config::{ENV_BOOTSTRAP, ENV_URL, KafkaConfig};
+#[cfg(feature = "testkit")]
 pub use inspect::StoredMessage;
 pub use subscription::KafkaSubscription;
 
@@ -91,12 +93,14 @@ impl KafkaBroker {
         let timeout = broker.shared.config.operation_timeout;
         let servers = broker.shared.config.bootstrap_servers.join(",");
         blocking(move || producer.client().fetch_metadata(None, timeout)).await?.map_err(|e| {
-            Error::transient(
-                ErrorKind::Connection,
-                BACKEND,
-                format!("no Kafka broker answered at {servers} within {timeout:?}"),
-            )
-            .with_source(e)
+            let operation = format!("connecting to {servers}");
+            // Refused SASL credentials are permanent; anything else means nobody answered.
+            if error::code_of(&e).map(error::classify).is_some_and(|(kind, _)| kind == ErrorKind::Auth) {
+                return error::convert(&operation, e);
+            }
+            Error::transient(ErrorKind::Connection, BACKEND, format!("no broker answered within {timeout:?}"))
+                .with_operation(operation)
+                .with_source(e)
         })?;
         Ok(broker)
     }
@@ -179,6 +183,12 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 impl Broker for KafkaBroker {
     fn backend(&self) -> &'static str {
         BACKEND
+    }
+
+    /// [`KafkaConfig::capabilities`]: unroutable detection and per-key ordering, no delivery
+    /// count.
+    fn capabilities(&self) -> outbox_core::Capabilities {
+        self.shared.config.capabilities()
     }
 
     /// Create the topic with the configured partitions and replication factor unless it

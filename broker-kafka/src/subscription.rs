@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::{
-    Acknowledge, ConsumerGroup, Delivery, Destination, Error, ErrorKind, Event, EventId, Headers, Result, Subscription,
+    Acknowledge, ConsumerGroup, Delivery, Destination, Error, ErrorKind, Event, EventId, ForeignDelivery, Headers,
+    Malformed, RawMessage, Received, Result, Subscription,
 };
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
@@ -70,7 +71,14 @@ struct Redelivery {
     partition: i32,
     epoch: u64,
     offset: i64,
-    event: Event,
+    item: Item,
+}
+
+/// What a record turned out to be; kept by an acknowledger for a local redelivery after `nack`.
+#[derive(Clone)]
+enum Item {
+    Event(Event),
+    Foreign(RawMessage, Malformed, String),
 }
 
 #[derive(Default)]
@@ -128,9 +136,9 @@ impl Tracker {
         }
     }
 
-    fn nack(&mut self, partition: i32, epoch: u64, offset: i64, event: Event) -> std::result::Result<(), Stale> {
+    fn nack(&mut self, partition: i32, epoch: u64, offset: i64, item: Item) -> std::result::Result<(), Stale> {
         self.partitions.get(&partition).filter(|p| p.live(epoch)).ok_or(Stale::Revoked)?;
-        self.redeliver.push_back(Redelivery { partition, epoch, offset, event });
+        self.redeliver.push_back(Redelivery { partition, epoch, offset, item });
         Ok(())
     }
 
@@ -226,9 +234,11 @@ fn revoked(destination: &Destination, partition: i32, offset: i64) -> Error {
 ///   committed offset.
 /// - `redelivered` is `true` for a local redelivery and for a fetch at or below an offset this
 ///   subscription delivered before; Kafka keeps no delivery count, so `attempt` is `None`.
-/// - A message without a valid [`EVENT_ID_HEADER`] (not written by this adapter), or whose key
-///   is not UTF-8, is skipped: its offset counts as acknowledged and `next` returns an
-///   [`ErrorKind::Corrupt`] error naming it.
+/// - A record that is not a readable event (no or a bad [`EVENT_ID_HEADER`], the id header or
+///   another header twice, a bad header name, headers over the limit, a key that is not UTF-8)
+///   is handed out as [`Received::Foreign`] with its raw key, headers and payload and the
+///   position `<topic>[<partition>]@<offset>`; its offset is committed like an event's, once it
+///   is acknowledged.
 pub struct KafkaSubscription {
     inner: Option<Arc<Inner>>,
 }
@@ -285,42 +295,46 @@ impl KafkaSubscription {
         partition: i32,
         epoch: u64,
         offset: i64,
-        event: Event,
+        item: Item,
         redelivered: bool,
-    ) -> Delivery {
-        let acker = KafkaAck { inner: Arc::downgrade(inner), partition, epoch, offset, event: event.clone() };
-        Delivery::new(event, redelivered, None, Box::new(acker))
+    ) -> Received {
+        let acker = Box::new(KafkaAck {
+            inner: Arc::downgrade(inner),
+            destination: inner.destination.clone(),
+            partition,
+            epoch,
+            offset,
+            item: item.clone(),
+        });
+        match item {
+            Item::Event(event) => Received::Event(Delivery::new(event, redelivered, None, acker)),
+            Item::Foreign(raw, problem, detail) => {
+                Received::Foreign(ForeignDelivery::new(raw, problem, detail, redelivered, acker))
+            }
+        }
     }
 
-    fn take_redelivery(inner: &Arc<Inner>) -> Option<Delivery> {
+    fn take_redelivery(inner: &Arc<Inner>) -> Option<Received> {
         let r = lock(&inner.tracker).take_redelivery()?;
-        Some(Self::delivery(inner, r.partition, r.epoch, r.offset, r.event, true))
+        Some(Self::delivery(inner, r.partition, r.epoch, r.offset, r.item, true))
     }
 
-    /// Turn a fetched message into a delivery; `Ok(None)` for a message of a partition this
-    /// member no longer owns.
-    async fn accept(inner: &Arc<Inner>, message: OwnedMessage) -> Result<Option<Delivery>> {
+    /// Turn a fetched message into a delivery; `None` for a message of a partition this member
+    /// no longer owns.
+    fn accept(inner: &Arc<Inner>, message: &OwnedMessage) -> Option<Received> {
         let (partition, offset) = (message.partition(), message.offset());
         let Some((epoch, redelivered)) = lock(&inner.tracker).register(partition, offset) else {
             debug!(target: "outbox.kafka", topic = %inner.destination, partition, offset, "dropped fetch of a revoked partition");
-            return Ok(None);
+            return None;
         };
-        match decode(&message) {
-            Ok(event) => Ok(Some(Self::delivery(inner, partition, epoch, offset, event, redelivered))),
-            Err(reason) => {
-                let skipped = Arc::clone(inner);
-                // Count it as done so that commits can pass it; a failed commit is retried by
-                // the next acknowledgement.
-                if let Err(e) = blocking(move || skipped.ack_blocking(partition, epoch, offset)).await? {
-                    debug!(target: "outbox.kafka", error = %e, "commit after skipping a foreign message failed");
-                }
-                Err(Error::permanent(
-                    ErrorKind::Corrupt,
-                    BACKEND,
-                    format!("{}[{partition}]@{offset} skipped: {reason}", inner.destination),
-                ))
+        let item = match decode_checked(&inner.destination, message) {
+            Ok(event) => Item::Event(event),
+            Err((problem, detail)) => {
+                debug!(target: "outbox.kafka", topic = %inner.destination, partition, offset, %problem, %detail, "record is not an outbox event");
+                Item::Foreign(raw(&inner.destination, message), problem, detail)
             }
-        }
+        };
+        Some(Self::delivery(inner, partition, epoch, offset, item, redelivered))
     }
 }
 
@@ -334,7 +348,7 @@ enum Step {
 
 #[async_trait]
 impl Subscription for KafkaSubscription {
-    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
         let inner = Arc::clone(self.inner()?);
         let deadline = tokio::time::Instant::now() + wait;
         loop {
@@ -353,7 +367,7 @@ impl Subscription for KafkaSubscription {
             };
             match step {
                 Step::Message(m) => {
-                    if let Some(d) = Self::accept(&inner, m).await? {
+                    if let Some(d) = Self::accept(&inner, &m) {
                         return Ok(Some(d));
                     }
                 }
@@ -383,32 +397,33 @@ impl Drop for KafkaSubscription {
 
 struct KafkaAck {
     inner: Weak<Inner>,
+    destination: Destination,
     partition: i32,
     epoch: u64,
     offset: i64,
     /// Kept for a local redelivery after `nack`.
-    event: Event,
+    item: Item,
 }
 
 impl KafkaAck {
-    fn inner(&self, destination: &Destination) -> Result<Arc<Inner>> {
-        self.inner.upgrade().ok_or_else(|| revoked(destination, self.partition, self.offset))
+    fn inner(&self) -> Result<Arc<Inner>> {
+        self.inner.upgrade().ok_or_else(|| revoked(&self.destination, self.partition, self.offset))
     }
 }
 
 #[async_trait]
 impl Acknowledge for KafkaAck {
     async fn ack(self: Box<Self>) -> Result<()> {
-        let inner = self.inner(&self.event.destination)?;
+        let inner = self.inner()?;
         let (partition, epoch, offset) = (self.partition, self.epoch, self.offset);
         blocking(move || inner.ack_blocking(partition, epoch, offset)).await?
     }
 
     async fn nack(self: Box<Self>) -> Result<()> {
-        let inner = self.inner(&self.event.destination)?;
-        let KafkaAck { partition, epoch, offset, event, .. } = *self;
+        let inner = self.inner()?;
+        let KafkaAck { partition, epoch, offset, item, .. } = *self;
         lock(&inner.tracker)
-            .nack(partition, epoch, offset, event)
+            .nack(partition, epoch, offset, item)
             .map_err(|Stale::Revoked| revoked(&inner.destination, partition, offset))?;
         inner.wake.notify_waiters();
         Ok(())
@@ -416,28 +431,87 @@ impl Acknowledge for KafkaAck {
 }
 
 /// Rebuild the event from a Kafka record; the reason when it was not written by this adapter.
+#[cfg(feature = "testkit")]
 pub(crate) fn decode(message: &impl Message) -> std::result::Result<Event, String> {
     let destination = Destination::new(message.topic()).map_err(|e| e.message().to_string())?;
-    let mut id = None;
+    decode_checked(&destination, message).map_err(|(problem, detail)| format!("{problem}: {detail}"))
+}
+
+/// Rebuild the event from a Kafka record, or say why it is not one: exactly one
+/// [`EVENT_ID_HEADER`] with a valid id, no header twice, a UTF-8 key, and the rules of
+/// [`Event::validate`] ([`Malformed::of_event`]).
+fn decode_checked(
+    destination: &Destination,
+    message: &impl Message,
+) -> std::result::Result<Event, (Malformed, String)> {
+    let mut ids = Vec::new();
     let mut headers = Headers::new();
     if let Some(hs) = message.headers() {
         for h in hs.iter() {
             let value = h.value.unwrap_or_default().to_vec();
             if h.key == EVENT_ID_HEADER {
-                id = Some(value);
-            } else {
-                headers.insert(h.key.to_string(), value);
+                ids.push(value);
+            } else if headers.insert(h.key.to_string(), value).is_some() {
+                return Err((Malformed::DuplicateHeader, format!("header {:?} appears more than once", h.key)));
             }
         }
     }
-    let id = id.ok_or_else(|| format!("no {EVENT_ID_HEADER} header"))?;
-    let id = String::from_utf8(id).map_err(|_| format!("{EVENT_ID_HEADER} is not UTF-8"))?;
-    let id = EventId::new(id).map_err(|e| e.message().to_string())?;
+    let id = match ids.as_slice() {
+        [] => return Err((Malformed::NoEventId, format!("no {EVENT_ID_HEADER} header"))),
+        [id] => id,
+        many => {
+            return Err((
+                Malformed::DuplicateHeader,
+                format!("the {EVENT_ID_HEADER} header appears {} times", many.len()),
+            ));
+        }
+    };
+    let id = std::str::from_utf8(id).ok().and_then(|t| EventId::new(t).ok()).ok_or_else(|| {
+        (Malformed::BadEventId, format!("{EVENT_ID_HEADER} {:?} is not a valid event id", String::from_utf8_lossy(id)))
+    })?;
     let key = match message.key() {
         None => None,
-        Some(k) => Some(String::from_utf8(k.to_vec()).map_err(|_| "the key is not UTF-8".to_string())?),
+        Some(k) => {
+            Some(String::from_utf8(k.to_vec()).map_err(|_| (Malformed::BadKey, "the key is not UTF-8".to_string()))?)
+        }
     };
-    Ok(Event { id, destination, key, headers, payload: message.payload().unwrap_or_default().to_vec() })
+    let event = Event {
+        id,
+        destination: destination.clone(),
+        key,
+        headers,
+        payload: message.payload().unwrap_or_default().to_vec(),
+    };
+    match Malformed::of_event(&event) {
+        None => Ok(event),
+        Some(problem) => Err(problem),
+    }
+}
+
+/// The record as Kafka holds it: its key, every header in order (a null value as empty), the
+/// payload.
+fn raw(destination: &Destination, message: &impl Message) -> RawMessage {
+    let mut headers = Vec::new();
+    if let Some(hs) = message.headers() {
+        for h in hs.iter() {
+            headers.push((h.key.as_bytes().to_vec(), h.value.unwrap_or_default().to_vec()));
+        }
+    }
+    let ids: Vec<&Vec<u8>> =
+        headers.iter().filter(|(k, _)| k.as_slice() == EVENT_ID_HEADER.as_bytes()).map(|(_, v)| v).collect();
+    let event_id = match ids.as_slice() {
+        [id] => std::str::from_utf8(id).ok().and_then(|t| EventId::new(t).ok()),
+        _ => None,
+    };
+    RawMessage {
+        backend: BACKEND,
+        destination: destination.clone(),
+        position: format!("{destination}[{}]@{}", message.partition(), message.offset()),
+        event_id,
+        key: message.key().map(<[u8]>::to_vec),
+        headers,
+        payload: message.payload().unwrap_or_default().to_vec(),
+    }
 }
 
 #[cfg(test)]
@@ -448,6 +522,57 @@ mod tests {
         let mut t = Tracker::default();
         t.rebalance(partition, true);
         t
+    }
+
+    /// The rows of the README's wire-format table: `(event part, slot, name or value)`, with
+    /// backticks removed.
+    fn wire_format() -> Vec<(String, String, String)> {
+        let readme = include_str!("../README.md");
+        let start = readme.find("## Wire format").expect("README has a wire-format section");
+        readme[start..]
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.starts_with("## "))
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| event part") && !l.starts_with("|---"))
+            .map(|l| {
+                let cols: Vec<String> = l.trim_matches('|').split('|').map(|c| c.trim().replace('`', "")).collect();
+                (cols[0].clone(), cols[1].clone(), cols[2].clone())
+            })
+            .collect()
+    }
+
+    fn row<'a>(table: &'a [(String, String, String)], part: &str) -> &'a (String, String, String) {
+        table.iter().find(|r| r.0 == part).unwrap_or_else(|| panic!("README wire format has no {part:?} row"))
+    }
+
+    #[test]
+    fn a_record_in_the_readme_wire_format_is_the_event() {
+        use rdkafka::Timestamp;
+        use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
+        let table = wire_format();
+        assert_eq!(row(&table, "event id").2, EVENT_ID_HEADER);
+        assert_eq!(row(&table, "key").1, "record key");
+        assert_eq!(row(&table, "payload").1, "record value");
+        let headers = OwnedHeaders::new()
+            .insert(Header { key: &row(&table, "event id").2, value: Some(b"e-9") })
+            .insert(Header { key: &row(&table, "header").2.replace("<name>", "trace"), value: Some(&[0u8, 0xff]) })
+            .insert(Header { key: &row(&table, "content type").2, value: Some(b"application/json") });
+        let m = OwnedMessage::new(
+            Some(b"body".to_vec()),
+            Some(b"k-1".to_vec()),
+            "orders".into(),
+            Timestamp::NotAvailable,
+            0,
+            7,
+            Some(headers),
+        );
+        let d = Destination::new("orders").unwrap();
+        let want = Event::new(EventId::new("e-9").unwrap(), d.clone(), b"body".to_vec())
+            .with_key("k-1")
+            .with_header("trace", vec![0u8, 0xff])
+            .with_content_type("application/json");
+        assert_eq!(decode_checked(&d, &m).unwrap(), want);
+        assert_eq!(raw(&d, &m).position, "orders[0]@7");
     }
 
     #[test]
@@ -483,7 +608,7 @@ mod tests {
         let (e, redelivered) = t.register(3, 5).unwrap();
         assert!(!redelivered);
         let ev = Event::new(EventId::new("x").unwrap(), Destination::new("d").unwrap(), b"p".to_vec());
-        assert!(t.nack(3, e, 5, ev).is_ok());
+        assert!(t.nack(3, e, 5, Item::Event(ev)).is_ok());
         t.rebalance(3, false);
         assert!(t.take_redelivery().is_none());
         assert!(t.ack(3, e, 5).is_err());

@@ -306,11 +306,13 @@ impl RedisBroker {
     }
 
     /// Every event the stream of `destination` holds, oldest first (the broker's durable
-    /// contents; reads the whole stream, meant for tests and inspection).
+    /// contents; reads the whole stream). Only with the `testkit` feature: a test inspector,
+    /// not part of the stable API.
     ///
     /// # Errors
     /// [`ErrorKind::Corrupt`](outbox_core::ErrorKind::Corrupt) when an entry is not an outbox
     /// event; connection and server errors.
+    #[cfg(feature = "testkit")]
     pub async fn events(&self, destination: &Destination) -> Result<Vec<Event>> {
         let stream = self.stream_key(destination);
         let mut conn = self.inner.conn.clone();
@@ -449,6 +451,11 @@ fn glob_escape(s: &str) -> String {
 impl Broker for RedisBroker {
     fn backend(&self) -> &'static str {
         BACKEND
+    }
+
+    /// [`RedisConfig::capabilities`]: no unroutable detection, a delivery count.
+    fn capabilities(&self) -> outbox_core::Capabilities {
+        self.inner.config.capabilities()
     }
 
     /// `XGROUP CREATE <stream> <group> 0 MKSTREAM` per group (an existing group is left as it

@@ -10,9 +10,10 @@
 //! replies, which key fields by `String` and drop entries deleted from the stream; we need the
 //! raw bytes and must see the deleted ones to acknowledge them.
 
-use outbox_core::{Destination, Event, EventId, Headers, Result};
+use outbox_core::{Destination, Event, EventId, Headers, Malformed, RawMessage, Result};
 use redis::Value;
 
+use crate::BACKEND;
 use crate::error::corrupt;
 
 pub(crate) const F_VERSION: &[u8] = b"v";
@@ -47,40 +48,80 @@ pub(crate) struct RawEntry {
     pub(crate) fields: Option<Vec<(Vec<u8>, Vec<u8>)>>,
 }
 
-/// Rebuild the event of `entry`, published to `destination`.
-pub(crate) fn decode(destination: &Destination, entry_id: &str, fields: &[(Vec<u8>, Vec<u8>)]) -> Result<Event> {
-    let bad = |what: &str| corrupt(format!("stream entry {entry_id} of {destination} is not an outbox event: {what}"));
-    let mut version = None;
-    let mut id = None;
-    let mut key = None;
-    let mut payload = None;
+/// Rebuild the event of `entry`, published to `destination`, or say why it is not one.
+///
+/// Strict about everything a reader could otherwise silently guess at: exactly one `v` (= `1`),
+/// one `id`, at most one `k` and `p`, no header twice, and the rules of
+/// [`Event::validate`](outbox_core::Event::validate) for names, sizes and the content type
+/// ([`Malformed::of_event`]). Unknown fields of the same version are tolerated (added by a newer
+/// writer).
+pub(crate) fn decode(
+    destination: &Destination,
+    fields: &[(Vec<u8>, Vec<u8>)],
+) -> std::result::Result<Event, (Malformed, String)> {
+    let all = |name: &[u8]| fields.iter().filter(|(f, _)| f == name).map(|(_, v)| v.as_slice()).collect::<Vec<_>>();
+    let once = |name: &[u8], what: &str| -> std::result::Result<Option<&[u8]>, (Malformed, String)> {
+        match all(name).as_slice() {
+            [] => Ok(None),
+            [one] => Ok(Some(one)),
+            many => Err((Malformed::DuplicateHeader, format!("the {what} field appears {} times", many.len()))),
+        }
+    };
+    match all(F_VERSION).as_slice() {
+        [VERSION] => {}
+        [] => return Err((Malformed::UnknownFormat, "no format version field v".into())),
+        [v] => {
+            return Err((
+                Malformed::UnknownFormat,
+                format!("format version {:?} is not supported", String::from_utf8_lossy(v)),
+            ));
+        }
+        many => return Err((Malformed::UnknownFormat, format!("the version field v appears {} times", many.len()))),
+    }
+    let id = once(F_ID, "event id (id)")?.ok_or((Malformed::NoEventId, "no id field".to_string()))?;
+    let id = std::str::from_utf8(id).ok().and_then(|t| EventId::new(t).ok()).ok_or_else(|| {
+        (Malformed::BadEventId, format!("id {:?} is not a valid event id", String::from_utf8_lossy(id)))
+    })?;
+    let key = once(F_KEY, "key (k)")?
+        .map(|k| String::from_utf8(k.to_vec()).map_err(|_| (Malformed::BadKey, "the key is not UTF-8".to_string())))
+        .transpose()?;
+    let payload =
+        once(F_PAYLOAD, "payload (p)")?.ok_or((Malformed::UnknownFormat, "no payload field p".to_string()))?.to_vec();
     let mut headers = Headers::new();
     for (field, value) in fields {
-        match field.as_slice() {
-            F_VERSION => version = Some(value.as_slice()),
-            F_ID => id = Some(value.as_slice()),
-            F_KEY => key = Some(value.as_slice()),
-            F_PAYLOAD => payload = Some(value.clone()),
-            f if f.starts_with(HEADER_PREFIX) => {
-                let name = std::str::from_utf8(&f[HEADER_PREFIX.len()..]).map_err(|_| bad("header name"))?;
-                headers.insert(name.to_string(), value.clone());
+        if let Some(name) = field.strip_prefix(HEADER_PREFIX) {
+            let name = String::from_utf8(name.to_vec()).map_err(|_| {
+                (Malformed::BadHeaderName, format!("header name {:?} is not UTF-8", String::from_utf8_lossy(name)))
+            })?;
+            if headers.insert(name.clone(), value.clone()).is_some() {
+                return Err((Malformed::DuplicateHeader, format!("header {name:?} appears more than once")));
             }
-            // Unknown fields of the same version are tolerated (added by a newer writer).
-            _ => {}
         }
     }
-    match version {
-        Some(VERSION) => {}
-        Some(v) => return Err(bad(&format!("format version {:?} is not supported", String::from_utf8_lossy(v)))),
-        None => return Err(bad("no format version field")),
+    let event = Event { id, destination: destination.clone(), key, headers, payload };
+    match Malformed::of_event(&event) {
+        None => Ok(event),
+        Some(problem) => Err(problem),
     }
-    let id = id.ok_or_else(|| bad("no event id"))?;
-    let id = std::str::from_utf8(id).map_err(|_| bad("event id is not UTF-8"))?;
-    let id = EventId::new(id).map_err(|e| bad(e.message()))?;
-    let key =
-        key.map(|k| std::str::from_utf8(k).map(str::to_string).map_err(|_| bad("key is not UTF-8"))).transpose()?;
-    let payload = payload.ok_or_else(|| bad("no payload"))?;
-    Ok(Event { id, destination: destination.clone(), key, headers, payload })
+}
+
+/// The entry as the stream holds it: the payload field `p` (the first, if several) as payload,
+/// every other field as a raw header, in stream order.
+pub(crate) fn raw(destination: &Destination, position: String, fields: &[(Vec<u8>, Vec<u8>)]) -> RawMessage {
+    let payload_at = fields.iter().position(|(f, _)| f == F_PAYLOAD);
+    let event_id = match fields.iter().filter(|(f, _)| f == F_ID).collect::<Vec<_>>().as_slice() {
+        [(_, id)] => std::str::from_utf8(id).ok().and_then(|t| EventId::new(t).ok()),
+        _ => None,
+    };
+    RawMessage {
+        backend: BACKEND,
+        destination: destination.clone(),
+        position,
+        event_id,
+        key: None,
+        headers: fields.iter().enumerate().filter(|(i, _)| Some(*i) != payload_at).map(|(_, f)| f.clone()).collect(),
+        payload: payload_at.map(|i| fields[i].1.clone()).unwrap_or_default(),
+    }
 }
 
 fn bytes(v: Value, what: &str) -> Result<Vec<u8>> {
@@ -215,12 +256,16 @@ pub(crate) fn pending_reply(v: Value) -> Result<Vec<(String, String, u32)>> {
 }
 
 /// The events of an `XRANGE` reply (entries that are not outbox events are an error).
+#[cfg_attr(not(feature = "testkit"), allow(dead_code))]
 pub(crate) fn range_reply(destination: &Destination, v: Value) -> Result<Vec<(String, Event)>> {
     entries(v)?
         .into_iter()
         .map(|e| {
             let fields = e.fields.ok_or_else(|| corrupt(format!("XRANGE returned entry {} without fields", e.id)))?;
-            Ok((e.id.clone(), decode(destination, &e.id, &fields)?))
+            let event = decode(destination, &fields).map_err(|(problem, detail)| {
+                corrupt(format!("stream entry {} of {destination} is not an outbox event: {problem}: {detail}", e.id))
+            })?;
+            Ok((e.id.clone(), event))
         })
         .collect()
 }
@@ -240,26 +285,88 @@ mod tests {
         fields.into_iter().map(|(f, v)| (f, v.to_vec())).collect()
     }
 
+    /// The rows of the README's wire-format table: `(event part, slot, name or value)`, with
+    /// backticks removed.
+    fn wire_format() -> Vec<(String, String, String)> {
+        let readme = include_str!("../README.md");
+        let start = readme.find("## Wire format").expect("README has a wire-format section");
+        readme[start..]
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.starts_with("## "))
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| event part") && !l.starts_with("|---"))
+            .map(|l| {
+                let cols: Vec<String> = l.trim_matches('|').split('|').map(|c| c.trim().replace('`', "")).collect();
+                (cols[0].clone(), cols[1].clone(), cols[2].clone())
+            })
+            .collect()
+    }
+
+    fn row<'a>(table: &'a [(String, String, String)], part: &str) -> &'a (String, String, String) {
+        table.iter().find(|r| r.0 == part).unwrap_or_else(|| panic!("README wire format has no {part:?} row"))
+    }
+
+    #[test]
+    fn what_the_adapter_writes_is_the_readme_wire_format() {
+        let table = wire_format();
+        let e = Event::new(EventId::new("e-9").unwrap(), Destination::new("d").unwrap(), b"\0body\xff".to_vec())
+            .with_key("k-1")
+            .with_header("trace", b"t\0".to_vec())
+            .with_content_type("application/json");
+        let field = |part: &str| row(&table, part).1.replace("<name>", "trace").into_bytes();
+        let want: Vec<(Vec<u8>, Vec<u8>)> = vec![
+            (field("format version"), row(&table, "format version").2.clone().into_bytes()),
+            (field("event id"), b"e-9".to_vec()),
+            (field("key"), b"k-1".to_vec()),
+            (field("header"), b"t\0".to_vec()),
+            (field("content type"), b"application/json".to_vec()),
+            (field("payload"), b"\0body\xff".to_vec()),
+        ];
+        let mut got = owned(encode(&e));
+        assert_eq!(got.first().map(|f| f.0.clone()), Some(field("format version")), "the version comes first");
+        assert_eq!(got.last().map(|f| f.0.clone()), Some(field("payload")), "the payload comes last");
+        got.sort();
+        let mut want = want;
+        want.sort();
+        assert_eq!(got, want);
+        assert_eq!(decode(&e.destination, &owned(encode(&e))).unwrap().content_type(), Some("application/json"));
+    }
+
     #[test]
     fn encode_decode_round_trip() {
         let e = ev();
-        let back = decode(&e.destination, "1-0", &owned(encode(&e))).unwrap();
+        let back = decode(&e.destination, &owned(encode(&e))).unwrap();
         assert_eq!(back, e);
         let mut no_key = e.clone();
         no_key.key = None;
         let fields = owned(encode(&no_key));
         assert!(!fields.iter().any(|(f, _)| f == F_KEY));
-        assert_eq!(decode(&e.destination, "1-0", &fields).unwrap(), no_key);
+        assert_eq!(decode(&e.destination, &fields).unwrap(), no_key);
     }
 
     #[test]
-    fn foreign_entries_are_corrupt() {
+    fn foreign_entries_name_their_problem() {
         let d = Destination::new("d").unwrap();
-        let no_version = vec![(b"id".to_vec(), b"x".to_vec()), (b"p".to_vec(), Vec::new())];
-        let other_version = vec![(b"v".to_vec(), b"9".to_vec()), (b"id".to_vec(), b"x".to_vec())];
-        let bad_id = vec![(b"v".to_vec(), b"1".to_vec()), (b"id".to_vec(), b"a b".to_vec()), (b"p".to_vec(), vec![])];
-        for f in [no_version, other_version, bad_id] {
-            assert_eq!(decode(&d, "1-0", &f).unwrap_err().kind(), outbox_core::ErrorKind::Corrupt);
+        let f = |pairs: &[(&str, &[u8])]| {
+            pairs.iter().map(|(k, v)| (k.as_bytes().to_vec(), v.to_vec())).collect::<Vec<_>>()
+        };
+        type Fields = Vec<(Vec<u8>, Vec<u8>)>;
+        let cases: Vec<(Fields, Malformed)> = vec![
+            (f(&[("id", b"x"), ("p", b"")]), Malformed::UnknownFormat),
+            (f(&[("v", b"9"), ("id", b"x"), ("p", b"")]), Malformed::UnknownFormat),
+            (f(&[("v", b"1"), ("p", b"")]), Malformed::NoEventId),
+            (f(&[("v", b"1"), ("id", b"a b"), ("p", b"")]), Malformed::BadEventId),
+            (f(&[("v", b"1"), ("id", b"x"), ("id", b"y"), ("p", b"")]), Malformed::DuplicateHeader),
+            (f(&[("v", b"1"), ("id", b"x"), ("h:bad name", b"1"), ("p", b"")]), Malformed::BadHeaderName),
+            (f(&[("v", b"1"), ("id", b"x"), ("h:a", b"1"), ("h:a", b"2"), ("p", b"")]), Malformed::DuplicateHeader),
+            (f(&[("v", b"1"), ("id", b"x"), ("k", b"\xff"), ("p", b"")]), Malformed::BadKey),
+            (f(&[("v", b"1"), ("id", b"x"), ("h:big", &vec![b'x'; 70_000]), ("p", b"")]), Malformed::OversizedHeaders),
+        ];
+        for (fields, want) in cases {
+            let (got, detail) = decode(&d, &fields).unwrap_err();
+            assert_eq!(got, want, "{detail}");
+            let raw = raw(&d, "s/1-0".into(), &fields);
+            assert_eq!(raw.headers.len() + 1, fields.len(), "every field but p is a raw header");
         }
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use outbox_core::config::{ConnectionUrl, UrlSpec, env_url, redact};
 use outbox_core::event::DEFAULT_MAX_PAYLOAD;
-use outbox_core::{Error, Result};
+use outbox_core::{Capabilities, Error, Result};
 
 use crate::BACKEND;
 
@@ -186,6 +186,19 @@ impl RedisConfig {
         self.connect_timeout = connect;
         self.response_timeout = response;
         self
+    }
+
+    /// What a [`RedisBroker`](crate::RedisBroker) built from these settings reports from
+    /// [`Broker::capabilities`](outbox_core::Broker::capabilities).
+    pub fn capabilities(&self) -> Capabilities {
+        // Not unroutable: an XADD to a stream nobody declared creates it. The group's pending
+        // list counts deliveries; a nack makes the entry reclaimable at once. Several members
+        // read one stream in turns, so one key's entries can be handled out of order.
+        Capabilities::none()
+            .with_delivery_count(true)
+            .with_redelivery_flag(true)
+            .with_nack_redelivers(true)
+            .with_max_payload(Some(self.max_payload))
     }
 
     /// The URL with its password replaced by `***`.

@@ -15,7 +15,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use outbox_conformance_tests::world::unique_tag;
-use outbox_conformance_tests::{BrokerFixture, BrokerHarness, Capabilities, Capability};
+use outbox_conformance_tests::{
+    BrokerFixture, BrokerHarness, Capabilities, Capability, Foreign, ForeignKind, ForeignWriter, stream_fields,
+};
 use outbox_core::{Destination, Result};
 
 use crate::{RedisBroker, RedisConfig};
@@ -106,7 +108,12 @@ impl BrokerHarness for RedisBrokerHarness {
             // Not `DetectsUnroutable`: an XADD to a stream nobody declared creates the stream and
             // succeeds. A redelivery (own pending entry or XAUTOCLAIM) carries the group's
             // delivery count, and a nack makes the entry reclaimable at once.
-            present: vec![Capability::RedeliveryInfo, Capability::Nack],
+            present: {
+                let mut present = Capability::present_in(&self.config.capabilities());
+                // Raw entries are written with XADD ([`RedisForeign`]).
+                present.push(Capability::ForeignMessages);
+                present
+            },
             delivery_wait: DELIVERY_WAIT,
             sampled_iterations: SAMPLED_ITERATIONS,
             exhaustive: false,
@@ -116,6 +123,40 @@ impl BrokerHarness for RedisBrokerHarness {
     async fn fixture(&self, case: &str) -> Result<BrokerFixture> {
         let broker = RedisBroker::connect(self.config.clone()).await?;
         let destination = Destination::new(format!("{case}-{}", unique_tag()))?;
-        Ok(BrokerFixture::new(Arc::new(broker), destination))
+        let mut fx = BrokerFixture::new(Arc::new(broker.clone()), destination);
+        fx.foreign = Some(Arc::new(RedisForeign { broker, url: self.config.url.clone() }));
+        Ok(fx)
+    }
+}
+
+/// Writes raw stream entries ([`stream_fields`]) with `XADD`, as another program sharing the
+/// stream would. Every [`ForeignKind`] is supported: a stream entry may repeat a field.
+pub struct RedisForeign {
+    broker: RedisBroker,
+    url: String,
+}
+
+impl std::fmt::Debug for RedisForeign {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisForeign").finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl ForeignWriter for RedisForeign {
+    async fn write(&self, destination: &Destination, kind: ForeignKind, id: &str, payload: &[u8]) -> Result<Foreign> {
+        let failed = |e: redis::RedisError| {
+            outbox_core::Error::transient(outbox_core::ErrorKind::Connection, crate::BACKEND, "XADD of a raw entry")
+                .with_source(e)
+        };
+        let client = redis::Client::open(self.url.as_str()).map_err(failed)?;
+        let mut conn = client.get_multiplexed_async_connection().await.map_err(failed)?;
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(self.broker.stream_key(destination)).arg("*");
+        for (field, value) in stream_fields(kind, id, payload) {
+            cmd.arg(field).arg(value);
+        }
+        let _: String = cmd.query_async(&mut conn).await.map_err(failed)?;
+        Ok(Foreign::Written)
     }
 }

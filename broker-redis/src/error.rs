@@ -26,10 +26,10 @@ pub(crate) enum Op {
 pub(crate) fn map(err: RedisError, op: Op, doing: &str) -> Error {
     let (kind, retry) = classify(&err, op);
     let detail = match err.code() {
-        Some(code) => format!("{doing}: {} ({code})", err.category()),
-        None => format!("{doing}: {}", err.category()),
+        Some(code) => format!("{} ({code})", err.category()),
+        None => err.category().to_string(),
     };
-    Error::new(kind, retry, BACKEND, detail).with_source(err)
+    Error::new(kind, retry, BACKEND, detail).with_operation(doing.to_string()).with_source(err)
 }
 
 fn classify(err: &RedisError, op: Op) -> (ErrorKind, Retry) {
@@ -46,14 +46,17 @@ fn classify(err: &RedisError, op: Op) -> (ErrorKind, Retry) {
         return (K::Connection, unsure);
     }
     match err.kind() {
-        RK::AuthenticationFailed | RK::InvalidClientConfig | RK::RESP3NotSupported => (K::Config, Retry::Permanent),
+        // Wrong password or unknown ACL user: the same credentials fail again.
+        RK::AuthenticationFailed => (K::Auth, Retry::Permanent),
+        RK::InvalidClientConfig | RK::RESP3NotSupported => (K::Config, Retry::Permanent),
         RK::Parse | RK::UnexpectedReturnType => (K::Corrupt, Retry::Permanent),
         RK::Server(SK::BusyLoading | SK::TryAgain | SK::MasterDown | SK::ClusterDown) => (K::Busy, Retry::Transient),
         // A failover demoted the server; the write was refused, a retry may reach the new primary.
         RK::Server(SK::ReadOnly) => (K::Rejected, Retry::Transient),
         RK::Server(SK::NoPerm) => (K::Config, Retry::Permanent),
         RK::Extension => match err.code() {
-            Some("NOAUTH" | "WRONGPASS" | "NOPERM") => (K::Config, Retry::Permanent),
+            Some("NOAUTH" | "WRONGPASS") => (K::Auth, Retry::Permanent),
+            Some("NOPERM") => (K::Config, Retry::Permanent),
             Some(ACL_CODE) => (K::Config, Retry::Permanent),
             Some("NOGROUP") => (K::Closed, Retry::Permanent),
             Some("BUSY") => (K::Busy, Retry::Transient),

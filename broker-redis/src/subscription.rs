@@ -22,11 +22,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::{Acknowledge, ConsumerGroup, Delivery, Destination, ErrorKind, Event, Result, Subscription};
+use outbox_core::{
+    Acknowledge, ConsumerGroup, Delivery, Destination, ErrorKind, Event, ForeignDelivery, Malformed, RawMessage,
+    Received, Result, Subscription,
+};
 use redis::Value;
 use redis::aio::ConnectionManager;
 use tokio::time::Instant;
-use tracing::{debug, error, warn};
+use tracing::{debug, warn};
 
 use crate::BACKEND;
 use crate::broker::RedisBroker;
@@ -59,8 +62,14 @@ enum Source {
 
 struct Ready {
     entry_id: String,
-    event: Event,
+    item: Item,
     attempt: u32,
+}
+
+/// What an entry turned out to be.
+enum Item {
+    Event(Event),
+    Foreign(RawMessage, Malformed, String),
 }
 
 /// A member of a consumer group on a [`RedisBroker`].
@@ -81,7 +90,7 @@ pub struct RedisSubscription {
     claim_cursor: String,
     next_claim: Instant,
     claim_interval: Duration,
-    buffer: VecDeque<Result<Ready>>,
+    buffer: VecDeque<Ready>,
     shared: Arc<Shared>,
 }
 
@@ -137,10 +146,10 @@ impl RedisSubscription {
         &self.group
     }
 
-    async fn next_inner(&mut self, deadline: Instant) -> Result<Option<Delivery>> {
+    async fn next_inner(&mut self, deadline: Instant) -> Result<Option<Received>> {
         loop {
-            if let Some(item) = self.buffer.pop_front() {
-                return item.map(|r| Some(self.hand_out(r)));
+            if let Some(ready) = self.buffer.pop_front() {
+                return Ok(Some(self.hand_out(ready)));
             }
             if let Some(cursor) = self.history.clone() {
                 let entries = self.read(&cursor, None).await?;
@@ -264,15 +273,17 @@ impl RedisSubscription {
         for ((entry_id, fields), count) in live.into_iter().zip(counts) {
             // No longer pending for us: acknowledged (or taken over) in the meantime.
             let Some(attempt) = count else { continue };
-            match codec::decode(&self.destination, &entry_id, &fields) {
-                Ok(event) => self.buffer.push_back(Ok(Ready { entry_id, event, attempt })),
-                Err(err) => {
-                    // Not ours to interpret; leave it in the stream, but stop redelivering it.
-                    error!(backend = BACKEND, stream = %self.stream, entry = %entry_id, error = %err, "skipping an entry that is not an outbox event (acknowledged, left in the stream)");
-                    self.xack(&entry_id).await?;
-                    self.buffer.push_back(Err(err));
+            let item = match codec::decode(&self.destination, &fields) {
+                Ok(event) => Item::Event(event),
+                Err((problem, detail)) => {
+                    // Not an event: handed out with its acknowledger like one, so the consumer
+                    // records it before it is acknowledged (it stays in the stream either way).
+                    debug!(backend = BACKEND, stream = %self.stream, entry = %entry_id, %problem, %detail, "entry is not an outbox event");
+                    let position = format!("{}/{entry_id}", self.stream);
+                    Item::Foreign(codec::raw(&self.destination, position, &fields), problem, detail)
                 }
-            }
+            };
+            self.buffer.push_back(Ready { entry_id, item, attempt });
         }
         Ok(())
     }
@@ -301,7 +312,7 @@ impl RedisSubscription {
         xack(&self.broker, &self.stream, &self.group, entry_id).await
     }
 
-    fn hand_out(&mut self, r: Ready) -> Delivery {
+    fn hand_out(&mut self, r: Ready) -> Received {
         self.shared.in_flight().insert(r.entry_id.clone());
         let ack = RedisAck {
             broker: self.broker.clone(),
@@ -311,13 +322,18 @@ impl RedisSubscription {
             entry_id: r.entry_id,
             shared: Arc::clone(&self.shared),
         };
-        Delivery::new(r.event, r.attempt > 1, Some(r.attempt), Box::new(ack))
+        match r.item {
+            Item::Event(event) => Received::Event(Delivery::new(event, r.attempt > 1, Some(r.attempt), Box::new(ack))),
+            Item::Foreign(raw, problem, detail) => {
+                Received::Foreign(ForeignDelivery::new(raw, problem, detail, r.attempt > 1, Box::new(ack)))
+            }
+        }
     }
 }
 
 #[async_trait]
 impl Subscription for RedisSubscription {
-    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
         let deadline = Instant::now() + wait;
         match self.next_inner(deadline).await {
             Ok(d) => Ok(d),

@@ -11,12 +11,12 @@ use outbox_consumer_inbox::{ConsumerConfig, EffectKind, Handled};
 use outbox_core::store::all_rows;
 use outbox_core::{
     Acknowledge, Backoff, Completion, ConsumerGroup, DeadLetter, DeadLetterReason, Delivery, Destination, ErrorKind,
-    Event, EventId, InboxAdmin, Lease, ManualClock, Outcome, RelayConfig, Retry, RowSnapshot, RowStatus,
+    Event, EventId, InboxAdmin, Lease, Malformed, ManualClock, Outcome, RelayConfig, Retry, RowSnapshot, RowStatus,
 };
 
 use crate::engines::Engines;
 use crate::faults::{EffectsThrough, FailingCommit, Faulty};
-use crate::harness::{Capability, Harness};
+use crate::harness::{Capability, Foreign, ForeignKind, Harness};
 use crate::invariants::{Violation, judge};
 use crate::script::{Action, parse_path};
 use crate::world::{
@@ -400,6 +400,24 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "foreign_message_is_handed_out_not_an_error",
+            class: "Subscription::receive",
+            property: "messages that are not outbox events (no or bad id, unknown format, bad header name, \
+                       duplicate id header, oversized headers, bad key), mixed between events, are received as \
+                       foreign: each becomes a malformed dead letter with its raw payload and a reason naming the \
+                       problem, every event is effected once, the drain does not stop, and all is acknowledged",
+            needs: &[Capability::ForeignMessages],
+            body: Function,
+        },
+        Case {
+            name: "foreign_message_is_unacknowledged_until_settled",
+            class: "Subscription::receive / Consumer::process_foreign",
+            property: "a foreign message whose dead letter fails to commit is not acknowledged: it comes back and \
+                       is recorded exactly once",
+            needs: &[Capability::ForeignMessages],
+            body: Function,
+        },
+        Case {
             name: "permutations",
             class: "permutations",
             property: "interleavings with crashes, expiries and lost acks: no lost, duplicated, ghost or stale",
@@ -595,6 +613,10 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_fail_backoff_park_requeue_purge" => store_fail_backoff_park_requeue_purge(harness).await,
             "store_enqueue_rejects_bad_batches" => store_enqueue_rejects_bad_batches(harness).await,
             "store_stats" => store_stats(harness).await,
+            "foreign_message_is_handed_out_not_an_error" => foreign_messages_mixed(harness, engines).await,
+            "foreign_message_is_unacknowledged_until_settled" => {
+                foreign_message_unacknowledged_until_recorded(harness, engines).await
+            }
             "permutations" => crate::explore::permutations_case(harness).await,
             other => Err(outbox_core::Error::invalid_input("suite", format!("unknown case {other}"))),
         },
@@ -768,7 +790,7 @@ async fn inbox_remove_dead_letters<H: Harness>(h: &H) -> outbox_core::Result<Cas
         })
         .collect::<outbox_core::Result<_>>()?;
     let consumer_named = |name: &str| {
-        let config = ConsumerConfig { max_attempts: 2, ..ConsumerConfig::new(name) };
+        let config = ConsumerConfig::new(name).with_max_attempts(2);
         suite_consumer_with((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive, config)
     };
     let (ours, other) = (consumer_named(CONSUMER), consumer_named(OTHER));
@@ -1253,17 +1275,15 @@ const RELAY_WAIT: Duration = Duration::from_secs(30);
 /// The relay configuration of the relay cases: no backoff (a failed row is due again at once),
 /// several lanes in flight, the suite's lease.
 fn relay_config(owner: &str) -> RelayConfig {
-    RelayConfig {
-        owner: owner.into(),
-        batch_size: 64,
-        lease: LEASE,
-        concurrency: 8,
-        max_attempts: 10,
-        backoff: Backoff::none(),
-        idle_poll: Duration::from_millis(20),
-        seed: Some(1),
-        ..RelayConfig::default()
-    }
+    RelayConfig::default()
+        .with_owner(owner)
+        .with_batch_size(64)
+        .with_lease(LEASE)
+        .with_concurrency(8)
+        .with_max_attempts(10)
+        .with_backoff(Backoff::none())
+        .with_idle_poll(Duration::from_millis(20))
+        .with_seed(Some(1))
 }
 
 /// A fixture, its clock, and `keys.len()` events enqueued (in one transaction) with those keys,
@@ -1778,6 +1798,194 @@ async fn broker_groups_receive_only_their_destination<H: Harness>(h: &H) -> outb
         notes.push(format!("({d}, {g}) got {} message(s)", seen.len()));
     }
     Ok(CaseResult::Passed(notes.join("; ")))
+}
+
+/// [`Subscription::receive`](outbox_core::Subscription::receive) with a bound, as
+/// [`next_bounded`] for events.
+async fn receive_bounded(
+    sub: &mut dyn outbox_core::Subscription,
+    wait: Duration,
+) -> outbox_core::Result<Option<outbox_core::Received>> {
+    let limit = wait * 3 + Duration::from_secs(30);
+    tokio::time::timeout(limit, sub.receive(wait)).await.map_err(|_| {
+        outbox_core::Error::permanent(
+            ErrorKind::Timeout,
+            "suite",
+            format!("Subscription::receive({wait:?}) did not return within {limit:?}"),
+        )
+    })?
+}
+
+/// Handle everything received through `engines` until nothing arrives within `wait` (the first
+/// within `3 × wait`), at most `max`; returns what happened and whether it went quiet.
+async fn drain_received<I: outbox_core::Inbox>(
+    engines: &Engines,
+    consumer: &crate::world::SuiteConsumer<I>,
+    sub: &mut dyn outbox_core::Subscription,
+    wait: Duration,
+    max: usize,
+) -> outbox_core::Result<(Vec<Handled>, bool)> {
+    let mut out = Vec::new();
+    while out.len() < max {
+        let this_wait = if out.is_empty() { wait.max(Duration::from_millis(50)) * 3 } else { wait };
+        let Some(r) = receive_bounded(sub, this_wait).await? else { return Ok((out, true)) };
+        out.push(engines.handle(consumer, r).await?);
+    }
+    Ok((out, false))
+}
+
+/// A payload no event has: the tag, the index and bytes that are not UTF-8.
+fn foreign_payload(tag: &str, i: usize) -> Vec<u8> {
+    [format!("foreign {tag} {i} ").as_bytes(), &[0, 0xff, 0xfe, b'\n', 0]].concat()
+}
+
+async fn foreign_messages_mixed<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "foreign_message_is_handed_out_not_an_error";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let Some(writer) = fx.foreign.clone() else {
+        return Ok(CaseResult::fail(CASE, "", "the harness declares foreign-messages but its fixture has no writer"));
+    };
+    let tag = crate::world::unique_tag();
+    let event = |i: usize| -> outbox_core::Result<Event> {
+        Ok(Event::new(EventId::new(format!("{CASE}.{tag}.e{i}"))?, fx.destination.clone(), CREDIT))
+    };
+    let mut events = vec![event(0)?];
+    fx.broker.publish(&events[0]).await?;
+    let mut written = Vec::new();
+    let mut unsupported = Vec::new();
+    for (i, kind) in ForeignKind::ALL.into_iter().enumerate() {
+        let payload = foreign_payload(&tag, i);
+        match writer.write(&fx.destination, kind, &format!("{CASE}.{tag}.f{i}"), &payload).await? {
+            Foreign::Written => written.push((kind, payload)),
+            Foreign::Unsupported(why) => unsupported.push(format!("{kind} ({why})")),
+        }
+        let e = event(i + 1)?;
+        fx.broker.publish(&e).await?;
+        events.push(e);
+    }
+    ensure!(CASE, !written.is_empty(), "the harness could write no kind of foreign message: {unsupported:?}");
+    let consumer = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let (handled, quiet) = drain_received(engines, &consumer, sub.as_mut(), wait, MAX_DELIVERIES).await?;
+    drop(sub);
+    ensure!(CASE, quiet, "the group was still receiving after {MAX_DELIVERIES} deliveries");
+    let malformed: Vec<Malformed> = handled
+        .iter()
+        .filter_map(|h| if let Handled::Malformed { problem } = h { Some(*problem) } else { None })
+        .collect();
+    let applied = handled.iter().filter(|h| **h == Handled::Applied).count();
+    ensure!(
+        CASE,
+        applied == events.len() && malformed.len() == written.len(),
+        "the drain handled {handled:?}: expected {} events applied and {} foreign messages recorded, in one drain \
+         (it must not stop at a foreign message)",
+        events.len(),
+        written.len()
+    );
+    // Everything was acknowledged: a new member of the group gets nothing.
+    let broker = (fx.restart_broker)();
+    let fresh = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let mut sub = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let (again, _) = drain_received(engines, &fresh, sub.as_mut(), wait, MAX_DELIVERIES).await?;
+    drop(sub);
+    ensure!(CASE, again.is_empty(), "a second drain received {again:?}: not everything was acknowledged");
+    // Every event effected exactly once.
+    let effects = fx.effects.rows().await?;
+    for e in &events {
+        let n = effects.iter().filter(|r| r.event_id == e.id).count();
+        ensure!(CASE, n == 1, "{n} effects for {}, expected 1", e.id);
+    }
+    // Every foreign message is a malformed dead letter with its raw payload and problem.
+    let letters = fx.inbox.dead_letters(CONSUMER).await?;
+    let mut notes = Vec::new();
+    for (kind, payload) in &written {
+        let found: Vec<&DeadLetter> = letters.iter().filter(|d| d.event.payload == *payload).collect();
+        ensure!(
+            CASE,
+            found.len() == 1,
+            "{} dead letters keep the payload of the {kind} message, expected 1 (dead letters: {:?})",
+            found.len(),
+            letters.iter().map(|d| (&d.event.id, d.reason, &d.error)).collect::<Vec<_>>()
+        );
+        let d = found[0];
+        ensure!(
+            CASE,
+            d.reason == DeadLetterReason::Malformed,
+            "the {kind} message's dead letter has reason {:?}",
+            d.reason
+        );
+        let want = kind.expected().as_str();
+        ensure!(CASE, d.error.contains(want), "the {kind} message's dead letter does not name {want:?}: {:?}", d.error);
+        ensure!(
+            CASE,
+            d.event.destination == fx.destination,
+            "the {kind} message's dead letter names destination {}, expected {}",
+            d.event.destination,
+            fx.destination
+        );
+        notes.push(format!("{kind} → {}", d.event.id));
+    }
+    let skipped =
+        if unsupported.is_empty() { String::new() } else { format!("; cannot write: {}", unsupported.join(", ")) };
+    Ok(CaseResult::Passed(format!("{} events applied once; {}{skipped}", events.len(), notes.join(", "))))
+}
+
+async fn foreign_message_unacknowledged_until_recorded<H: Harness>(
+    h: &H,
+    engines: &Engines,
+) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "foreign_message_is_unacknowledged_until_settled";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let Some(writer) = fx.foreign.clone() else {
+        return Ok(CaseResult::fail(CASE, "", "the harness declares foreign-messages but its fixture has no writer"));
+    };
+    let tag = crate::world::unique_tag();
+    let payload = foreign_payload(&tag, 0);
+    let mut kind = None;
+    for k in ForeignKind::ALL {
+        if writer.write(&fx.destination, k, &format!("{CASE}.{tag}"), &payload).await? == Foreign::Written {
+            kind = Some(k);
+            break;
+        }
+    }
+    let Some(kind) = kind else { return Ok(CaseResult::fail(CASE, "", "the harness could write no foreign message")) };
+    let keeps = |letters: &[DeadLetter]| letters.iter().filter(|d| d.event.payload == payload).count();
+    let failing = FailingCommit::new((fx.restart_inbox)(), 1);
+    let consumer = suite_consumer(failing, Arc::new(EffectsThrough(fx.effects.clone())), EffectKind::Additive);
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let deadline = Instant::now() + wait.max(Duration::from_millis(200)) * 3;
+    let received = loop {
+        if let Some(r) = receive_bounded(sub.as_mut(), wait.max(Duration::from_millis(10))).await? {
+            break r;
+        }
+        if Instant::now() >= deadline {
+            return Ok(CaseResult::fail(CASE, "", format!("the {kind} message was not received")));
+        }
+    };
+    ensure!(
+        CASE,
+        matches!(received, outbox_core::Received::Foreign(_)),
+        "the {kind} message was received as {received:?}"
+    );
+    let handled = engines.handle(&consumer, received).await?;
+    ensure!(CASE, consumer.inbox().failed() == 1, "the dead letter was never committed ({handled:?})");
+    ensure!(CASE, matches!(handled, Handled::Retry { .. }), "a failed dead-letter commit was reported as {handled:?}");
+    ensure!(CASE, keeps(&fx.inbox.dead_letters(CONSUMER).await?) == 0, "the failed commit left a dead letter");
+    drop(sub); // the consumer goes away: whatever it left unacknowledged comes back
+    let broker = (fx.restart_broker)();
+    let fresh = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let mut sub = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let (again, _) = drain_received(engines, &fresh, sub.as_mut(), wait, MAX_DELIVERIES).await?;
+    drop(sub);
+    let n = keeps(&fx.inbox.dead_letters(CONSUMER).await?);
+    ensure!(
+        CASE,
+        n != 0,
+        "the {kind} message was acknowledged although its dead letter did not commit: it never came back and \
+         nothing records it (redelivery: {again:?})"
+    );
+    ensure!(CASE, n == 1, "{n} dead letters for the {kind} message after the redelivery");
+    Ok(CaseResult::Passed(format!("{kind}: commit failed, not acknowledged; redelivery: {again:?}")))
 }
 
 /// Replay a path printed by a counterexample on `harness`.

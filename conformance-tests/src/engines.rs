@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use outbox_consumer_inbox::{Consumer, Handled, Handler};
-use outbox_core::{BatchReport, Broker, Delivery, Inbox, OutboxStore, Relay, RelayConfig, Result};
+use outbox_core::{BatchReport, Broker, Delivery, Inbox, OutboxStore, Received, Relay, RelayConfig, Result};
 
 /// A relay as the suite drives it.
 #[async_trait]
@@ -56,6 +56,10 @@ pub(crate) enum ConsumerRuntime {
     Reference,
     /// Wrong on purpose ([`crate::mutants`]): acknowledges after the effect, before the commit.
     AckThenCommit,
+    /// Wrong on purpose: acknowledges a foreign message without recording it.
+    DropsForeign,
+    /// Wrong on purpose: acknowledges a foreign message, then records it.
+    AckForeignThenRecord,
 }
 
 /// The relay and consumer runtime the cases run. [`Engines::default`] is the reference pair.
@@ -130,6 +134,27 @@ impl Engines {
         match self.consumer {
             ConsumerRuntime::Reference => consumer.process(delivery).await,
             ConsumerRuntime::AckThenCommit => crate::mutants::ack_then_commit(consumer, delivery).await,
+            ConsumerRuntime::DropsForeign | ConsumerRuntime::AckForeignThenRecord => consumer.process(delivery).await,
+        }
+    }
+
+    /// Handle whatever a subscription received, as [`Consumer::handle`] does: an event as
+    /// [`process`](Self::process), a foreign message recorded and then acknowledged.
+    ///
+    /// # Errors
+    /// As [`Consumer::handle`].
+    pub async fn handle<I: Inbox, H: Handler<I>>(
+        &self,
+        consumer: &Consumer<I, H>,
+        received: Received,
+    ) -> Result<Handled> {
+        match (self.consumer, received) {
+            (_, Received::Event(d)) => self.process(consumer, d).await,
+            (ConsumerRuntime::DropsForeign, Received::Foreign(f)) => crate::mutants::drop_foreign(f).await,
+            (ConsumerRuntime::AckForeignThenRecord, Received::Foreign(f)) => {
+                crate::mutants::ack_foreign_then_record(consumer, f).await
+            }
+            (_, Received::Foreign(f)) => consumer.process_foreign(f).await,
         }
     }
 }

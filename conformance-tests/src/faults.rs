@@ -156,6 +156,10 @@ impl Broker for Faulty {
         self.inner.backend()
     }
 
+    fn capabilities(&self) -> outbox_core::Capabilities {
+        self.inner.capabilities()
+    }
+
     async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
         self.inner.declare(destination, groups).await
     }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryOutbox};
-use outbox_core::{Broker, Destination, EventId, Inbox, ManualClock, OutboxStore, Result};
+use outbox_core::{Broker, Destination, EventId, Inbox, Malformed, ManualClock, OutboxAdmin, Result};
 
 use crate::reference::{MemoryEffects, memory_capabilities};
 
@@ -54,6 +54,28 @@ pub enum Capability {
     RedeliveryInfo,
     /// A negative acknowledgement makes the message come back.
     Nack,
+    /// The harness can write messages that are not readable outbox events
+    /// ([`ForeignWriter`]), bypassing the adapter's encoding.
+    ForeignMessages,
+}
+
+impl Capability {
+    /// The suite's capabilities that a broker's run-time
+    /// [`Capabilities`](outbox_core::Capabilities) promise, so a harness declares what its
+    /// broker reports instead of a second, hand-written list.
+    pub fn present_in(caps: &outbox_core::Capabilities) -> Vec<Capability> {
+        let mut present = Vec::new();
+        if caps.detects_unroutable {
+            present.push(Self::DetectsUnroutable);
+        }
+        if caps.reports_redelivery() {
+            present.push(Self::RedeliveryInfo);
+        }
+        if caps.nack_redelivers {
+            present.push(Self::Nack);
+        }
+        present
+    }
 }
 
 impl fmt::Display for Capability {
@@ -62,6 +84,7 @@ impl fmt::Display for Capability {
             Self::DetectsUnroutable => "detects-unroutable",
             Self::RedeliveryInfo => "redelivery-info",
             Self::Nack => "nack",
+            Self::ForeignMessages => "foreign-messages",
         })
     }
 }
@@ -91,7 +114,7 @@ impl Capabilities {
 /// Fresh components for one case (or one path of an exploration).
 pub struct Fixture<I: Inbox> {
     /// The producer's outbox (built on the case's [`ManualClock`]).
-    pub store: Arc<dyn OutboxStore>,
+    pub store: Arc<dyn OutboxAdmin>,
     /// The broker.
     pub broker: Arc<dyn Broker>,
     /// The consumer's inbox (shared durable state).
@@ -105,12 +128,15 @@ pub struct Fixture<I: Inbox> {
     pub restart_inbox: Arc<dyn Fn() -> I + Send + Sync>,
     /// Builds the broker handle of a restarted process (default: the same broker).
     pub restart_broker: Arc<dyn Fn() -> Arc<dyn Broker> + Send + Sync>,
+    /// Writes messages that are not readable events to this fixture's broker (`None`: the
+    /// harness cannot; declare [`Capability::ForeignMessages`] only with one).
+    pub foreign: Option<Arc<dyn ForeignWriter>>,
 }
 
 impl<I: Inbox + Clone> Fixture<I> {
     /// A fixture whose restarted processes share `inbox` and `broker`.
     pub fn new(
-        store: Arc<dyn OutboxStore>,
+        store: Arc<dyn OutboxAdmin>,
         broker: Arc<dyn Broker>,
         inbox: I,
         effects: Arc<dyn EffectTable<I>>,
@@ -126,7 +152,125 @@ impl<I: Inbox + Clone> Fixture<I> {
             destination,
             restart_inbox: Arc::new(move || i.clone()),
             restart_broker: Arc::new(move || b.clone()),
+            foreign: None,
         }
+    }
+}
+
+/// A kind of message that is not a readable outbox event, as the suite asks a harness to write
+/// one (with the broker's driver, not the adapter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ForeignKind {
+    /// Everything of an event but its id.
+    NoEventId,
+    /// An event id with spaces in it.
+    BadEventId,
+    /// Not the adapter's format (another format version), where the broker's format has one.
+    UnknownFormat,
+    /// A header named `bad name` (a space).
+    BadHeaderName,
+    /// The event id twice, with different values.
+    DuplicateIdHeader,
+    /// One header of [`OVERSIZED_HEADER_BYTES`](ForeignKind::OVERSIZED_HEADER_BYTES) (over the
+    /// 64 KiB limit of all headers).
+    OversizedHeaders,
+    /// A key that is not UTF-8.
+    BadKey,
+}
+
+impl ForeignKind {
+    /// Every kind, in the order the suite writes them.
+    pub const ALL: [ForeignKind; 7] = [
+        Self::NoEventId,
+        Self::BadEventId,
+        Self::UnknownFormat,
+        Self::BadHeaderName,
+        Self::DuplicateIdHeader,
+        Self::OversizedHeaders,
+        Self::BadKey,
+    ];
+
+    /// Size of the header [`OversizedHeaders`](Self::OversizedHeaders) writes.
+    pub const OVERSIZED_HEADER_BYTES: usize = 70_000;
+
+    /// The problem a subscription must report for it.
+    pub fn expected(self) -> Malformed {
+        match self {
+            Self::NoEventId => Malformed::NoEventId,
+            Self::BadEventId => Malformed::BadEventId,
+            Self::UnknownFormat => Malformed::UnknownFormat,
+            Self::BadHeaderName => Malformed::BadHeaderName,
+            Self::DuplicateIdHeader => Malformed::DuplicateHeader,
+            Self::OversizedHeaders => Malformed::OversizedHeaders,
+            Self::BadKey => Malformed::BadKey,
+        }
+    }
+}
+
+impl fmt::Display for ForeignKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.expected().as_str())
+    }
+}
+
+/// Whether a [`ForeignWriter`] wrote the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Foreign {
+    /// Written to the destination.
+    Written,
+    /// The broker cannot carry this kind (e.g. a header twice in an AMQP header table); why.
+    Unsupported(String),
+}
+
+/// Writes raw messages to a fixture's broker with its driver, the way another program sharing
+/// the destination would.
+#[async_trait]
+pub trait ForeignWriter: Send + Sync {
+    /// Write one message of `kind` to `destination` (declared before), with `payload` as its
+    /// payload byte-for-byte and `id` as its event id where the kind has a valid one.
+    ///
+    /// # Behavior
+    /// - `Ok(Foreign::Written)` once the broker accepted it; `Ok(Foreign::Unsupported(why))`,
+    ///   writing nothing, for a kind the broker's format cannot express;
+    /// - the message is received by the suite's group like an event published after the calls
+    ///   before it.
+    async fn write(&self, destination: &Destination, kind: ForeignKind, id: &str, payload: &[u8]) -> Result<Foreign>;
+}
+
+/// The fields of a stream entry of `kind` in the Redis adapter's (and the memory broker's)
+/// format: `v`, `id`, `k`, `h:<name>`, `p`.
+pub fn stream_fields(kind: ForeignKind, id: &str, payload: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let f = |k: &str, v: &[u8]| (k.as_bytes().to_vec(), v.to_vec());
+    let mut fields = vec![f("v", if kind == ForeignKind::UnknownFormat { b"9" } else { b"1" })];
+    match kind {
+        ForeignKind::NoEventId => {}
+        ForeignKind::BadEventId => fields.push(f("id", format!("{id} has spaces").as_bytes())),
+        ForeignKind::DuplicateIdHeader => {
+            fields.push(f("id", id.as_bytes()));
+            fields.push(f("id", format!("{id}-other").as_bytes()));
+        }
+        _ => fields.push(f("id", id.as_bytes())),
+    }
+    match kind {
+        ForeignKind::BadHeaderName => fields.push(f("h:bad name", b"v")),
+        ForeignKind::OversizedHeaders => fields.push(f("h:big", &vec![b'x'; ForeignKind::OVERSIZED_HEADER_BYTES])),
+        ForeignKind::BadKey => fields.push(f("k", &[0xff, 0xfe, b'k'])),
+        _ => {}
+    }
+    fields.push(f("p", payload));
+    fields
+}
+
+/// [`ForeignWriter`] of a [`MemoryBroker`]: [`stream_fields`] through
+/// [`MemoryBroker::publish_raw`]. Every kind is supported.
+#[derive(Debug, Clone)]
+pub struct MemoryForeign(pub MemoryBroker);
+
+#[async_trait]
+impl ForeignWriter for MemoryForeign {
+    async fn write(&self, destination: &Destination, kind: ForeignKind, id: &str, payload: &[u8]) -> Result<Foreign> {
+        self.0.publish_raw(destination, stream_fields(kind, id, payload))?;
+        Ok(Foreign::Written)
     }
 }
 
@@ -154,7 +298,7 @@ pub trait Harness: Send + Sync + 'static {
 /// table, all on the case's [`ManualClock`].
 pub struct StoreFixture<I: Inbox> {
     /// The producer's outbox (built on the case's [`ManualClock`]).
-    pub store: Arc<dyn OutboxStore>,
+    pub store: Arc<dyn OutboxAdmin>,
     /// The consumer's inbox (shared durable state).
     pub inbox: I,
     /// The consumer's effect table, in the inbox's store.
@@ -165,7 +309,7 @@ pub struct StoreFixture<I: Inbox> {
 
 impl<I: Inbox + Clone> StoreFixture<I> {
     /// A store fixture whose restarted consumers share `inbox`.
-    pub fn new(store: Arc<dyn OutboxStore>, inbox: I, effects: Arc<dyn EffectTable<I>>) -> Self {
+    pub fn new(store: Arc<dyn OutboxAdmin>, inbox: I, effects: Arc<dyn EffectTable<I>>) -> Self {
         let i = inbox.clone();
         Self { store, inbox, effects, restart_inbox: Arc::new(move || i.clone()) }
     }
@@ -179,13 +323,15 @@ pub struct BrokerFixture {
     pub destination: Destination,
     /// Builds the broker handle of a restarted process (default: the same broker).
     pub restart_broker: Arc<dyn Fn() -> Arc<dyn Broker> + Send + Sync>,
+    /// Writes messages that are not readable events (`None` by default).
+    pub foreign: Option<Arc<dyn ForeignWriter>>,
 }
 
 impl BrokerFixture {
     /// A broker fixture whose restarted processes share `broker`.
     pub fn new(broker: Arc<dyn Broker>, destination: Destination) -> Self {
         let b = broker.clone();
-        Self { broker, destination, restart_broker: Arc::new(move || b.clone()) }
+        Self { broker, destination, restart_broker: Arc::new(move || b.clone()), foreign: None }
     }
 }
 
@@ -302,6 +448,7 @@ impl<S: StoreHarness, B: BrokerHarness> Harness for Combined<S, B> {
             destination: broker.destination,
             restart_inbox: store.restart_inbox,
             restart_broker: broker.restart_broker,
+            foreign: broker.foreign,
         })
     }
 }
@@ -349,7 +496,10 @@ impl BrokerHarness for MemoryBrokerHarness {
     }
 
     async fn fixture(&self, _case: &str) -> Result<BrokerFixture> {
-        Ok(BrokerFixture::new(Arc::new(MemoryBroker::new()), Destination::new("suite")?))
+        let broker = MemoryBroker::new();
+        let mut fx = BrokerFixture::new(Arc::new(broker.clone()), Destination::new("suite")?);
+        fx.foreign = Some(Arc::new(MemoryForeign(broker)));
+        Ok(fx)
     }
 }
 

@@ -16,8 +16,9 @@ pub mod world;
 pub use cases::{Case, CaseResult, Counterexample, all_cases, replay, run_case, run_case_with};
 pub use engines::{Engines, RelayFactory, RelayUnderTest};
 pub use harness::{
-    BrokerFixture, BrokerHarness, Capabilities, Capability, Combined, EffectRow, EffectTable, Fixture, Harness,
-    MemoryBrokerHarness, MemoryStoreHarness, StoreFixture, StoreHarness,
+    BrokerFixture, BrokerHarness, Capabilities, Capability, Combined, EffectRow, EffectTable, Fixture, Foreign,
+    ForeignKind, ForeignWriter, Harness, MemoryBrokerHarness, MemoryForeign, MemoryStoreHarness, StoreFixture,
+    StoreHarness, stream_fields,
 };
 pub use reference::MemoryHarness;
 pub use runner::{main, run_all, table};

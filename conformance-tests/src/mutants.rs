@@ -14,15 +14,17 @@ use outbox_consumer_inbox::{Consumer, Handled, Handler};
 use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryOutbox, MemoryTx};
 use outbox_core::store::all_rows;
 use outbox_core::{
-    Acknowledge, BatchReport, Broker, Claimed, Completion, ConsumerGroup, DeadLetter, Delivery, Destination, Error,
-    ErrorKind, Event, EventId, Fingerprint, Inbox, InboxAdmin, Lease, LedgerState, ManualClock, MarkOutcome, Marker,
-    OutboxStats, OutboxStore, Outcome, ParkedRow, RelayConfig, Result, Retry, RowId, RowSnapshot, RowStatus,
-    Subscription, VersionOutcome,
+    Acknowledge, BatchReport, Broker, Claimed, Completion, ConsumerGroup, DeadLetter, DeadLetterReason, Delivery,
+    Destination, Error, ErrorKind, Event, EventId, Fingerprint, ForeignDelivery, Inbox, InboxAdmin, Lease, LedgerState,
+    ManualClock, MarkOutcome, Marker, OutboxAdmin, OutboxStats, OutboxStore, Outcome, ParkedRow, Received, RelayConfig,
+    Result, Retry, RowId, RowSnapshot, RowStatus, Subscription, VersionOutcome,
 };
 use tokio::sync::Notify;
 
 use crate::engines::{ConsumerRuntime, Engines, RelayUnderTest};
-use crate::harness::{Capabilities, EffectRow, EffectTable, Fixture, Harness};
+use crate::harness::{
+    Capabilities, EffectRow, EffectTable, Fixture, Foreign, ForeignKind, ForeignWriter, Harness, MemoryForeign,
+};
 use crate::reference::{decode_effect, encode_effect, memory_capabilities};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -65,11 +67,15 @@ pub enum Mutant {
     RelayKeepsLeasesOnShutdown,
     /// A consumer runtime that acknowledges after the effect, before the inbox commit.
     AckThenCommit,
+    /// A consumer runtime that acknowledges a foreign message without a dead letter.
+    DropsForeign,
+    /// A consumer runtime that acknowledges a foreign message before its dead letter commits.
+    AckForeignBeforeRecord,
 }
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 15] = [
+    pub const ALL: [Mutant; 17] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -85,6 +91,8 @@ impl Mutant {
         Mutant::RelayPublishesOneKeyConcurrently,
         Mutant::RelayKeepsLeasesOnShutdown,
         Mutant::AckThenCommit,
+        Mutant::DropsForeign,
+        Mutant::AckForeignBeforeRecord,
     ];
 
     /// The relay and consumer runtime to run the suite with: wrong ones for the relay and
@@ -106,6 +114,11 @@ impl Mutant {
             Self::AckThenCommit => {
                 Engines::default().with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckThenCommit)
             }
+            Self::DropsForeign => {
+                Engines::default().with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::DropsForeign)
+            }
+            Self::AckForeignBeforeRecord => Engines::default()
+                .with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckForeignThenRecord),
             _ => Engines::default(),
         }
     }
@@ -129,6 +142,8 @@ impl fmt::Display for Mutant {
             Self::RelayPublishesOneKeyConcurrently => "relay that publishes one key's rows concurrently",
             Self::RelayKeepsLeasesOnShutdown => "relay that does not release claimed rows on shutdown",
             Self::AckThenCommit => "ack inside commit, before the inbox commit",
+            Self::DropsForeign => "foreign messages acknowledged without a dead letter",
+            Self::AckForeignBeforeRecord => "foreign messages acknowledged before their dead letter commits",
         })
     }
 }
@@ -250,7 +265,10 @@ impl OutboxStore for MutantStore {
         let lease = self.translate(row, lease).await?;
         self.inner.release(row, &lease).await
     }
+}
 
+#[async_trait]
+impl OutboxAdmin for MutantStore {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
         self.inner.list_parked(limit).await
     }
@@ -415,12 +433,22 @@ impl Acknowledge for AlreadyAcked {
 
 #[async_trait]
 impl Subscription for EarlyAckSubscription {
-    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
-        let Some(d) = self.0.next(wait).await? else { return Ok(None) };
-        let (redelivered, attempt) = (d.redelivered, d.attempt);
-        let (event, acker) = d.into_parts();
-        acker.ack().await?;
-        Ok(Some(Delivery::new(event, redelivered, attempt, Box::new(AlreadyAcked))))
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
+        Ok(Some(match self.0.receive(wait).await? {
+            None => return Ok(None),
+            Some(Received::Event(d)) => {
+                let (redelivered, attempt) = (d.redelivered, d.attempt);
+                let (event, acker) = d.into_parts();
+                acker.ack().await?;
+                Received::Event(Delivery::new(event, redelivered, attempt, Box::new(AlreadyAcked)))
+            }
+            Some(Received::Foreign(f)) => {
+                let (problem, detail, redelivered) = (f.problem, f.detail.clone(), f.redelivered);
+                let (message, acker) = f.into_parts();
+                acker.ack().await?;
+                Received::Foreign(ForeignDelivery::new(message, problem, detail, redelivered, Box::new(AlreadyAcked)))
+            }
+        }))
     }
 }
 
@@ -460,15 +488,16 @@ impl Harness for MutantHarness {
         let mode = self.0;
         let memory = MemoryInbox::new(Arc::new(clock.clone()));
         let store = MutantStore { inner: MemoryOutbox::new(Arc::new(clock)), mode, first_tokens: Mutex::default() };
+        let mem = MemoryBroker::new();
+        let mut foreign: Arc<dyn ForeignWriter> = Arc::new(MemoryForeign(mem.clone()));
         let broker: Arc<dyn Broker> = match mode {
-            Mutant::AckBeforeCommit => Arc::new(AckOnReceipt(MemoryBroker::new())),
-            Mutant::DropsUnboundPublishes => {
-                Arc::new(DropsUnbound { inner: MemoryBroker::new(), groups: Mutex::default() })
-            }
+            Mutant::AckBeforeCommit => Arc::new(AckOnReceipt(mem)),
+            Mutant::DropsUnboundPublishes => Arc::new(DropsUnbound { inner: mem, groups: Mutex::default() }),
             Mutant::JoinedQueueNames => {
-                Arc::new(JoinedQueues { inner: MemoryBroker::new(), bindings: Mutex::default() })
+                foreign = Arc::new(QueueForeign(mem.clone()));
+                Arc::new(JoinedQueues { inner: mem, bindings: Mutex::default() })
             }
-            _ => Arc::new(MemoryBroker::new()),
+            _ => Arc::new(mem),
         };
         let inbox = MutantInbox { inner: memory.clone(), mode, local: Arc::default() };
         let mut fx = Fixture::new(
@@ -480,6 +509,7 @@ impl Harness for MutantHarness {
         );
         // A restarted process starts with an empty process-local set.
         fx.restart_inbox = Arc::new(move || MutantInbox { inner: memory.clone(), mode, local: Arc::default() });
+        fx.foreign = Some(foreign);
         Ok(fx)
     }
 }
@@ -550,15 +580,31 @@ fn open_envelope(mut e: Event) -> Result<Event> {
     Ok(e)
 }
 
+/// Raw messages for [`JoinedQueues`]: written to the suite group's queue.
+struct QueueForeign(MemoryBroker);
+
+#[async_trait]
+impl ForeignWriter for QueueForeign {
+    async fn write(&self, d: &Destination, kind: ForeignKind, id: &str, payload: &[u8]) -> Result<Foreign> {
+        let queue = JoinedQueues::queue(d, &crate::world::suite_group())?;
+        self.0.declare(&queue, &[queue_group()]).await?;
+        MemoryForeign(self.0.clone()).write(&queue, kind, id, payload).await
+    }
+}
+
 struct OpenEnvelopes(Box<dyn Subscription>);
 
 #[async_trait]
 impl Subscription for OpenEnvelopes {
-    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
-        let Some(d) = self.0.next(wait).await? else { return Ok(None) };
-        let (redelivered, attempt) = (d.redelivered, d.attempt);
-        let (event, acker) = d.into_parts();
-        Ok(Some(Delivery::new(open_envelope(event)?, redelivered, attempt, acker)))
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
+        match self.0.receive(wait).await? {
+            Some(Received::Event(d)) => {
+                let (redelivered, attempt) = (d.redelivered, d.attempt);
+                let (event, acker) = d.into_parts();
+                Ok(Some(Received::Event(Delivery::new(open_envelope(event)?, redelivered, attempt, acker))))
+            }
+            other => Ok(other),
+        }
     }
 }
 
@@ -749,6 +795,35 @@ impl Acknowledge for AckedElsewhere {
 
 /// [`Mutant::AckThenCommit`]: the consumer runtime's steps with the acknowledgement moved in
 /// front of the commit ("the commit cannot fail now").
+/// [`Mutant::DropsForeign`]: acknowledge and forget.
+pub(crate) async fn drop_foreign(foreign: ForeignDelivery) -> Result<Handled> {
+    let problem = foreign.problem;
+    foreign.ack().await?;
+    Ok(Handled::Malformed { problem })
+}
+
+/// [`Mutant::AckForeignBeforeRecord`]: acknowledge, then write the dead letter.
+pub(crate) async fn ack_foreign_then_record<I: Inbox, H: Handler<I>>(
+    consumer: &Consumer<I, H>,
+    foreign: ForeignDelivery,
+) -> Result<Handled> {
+    let (problem, error) = (foreign.problem, foreign.describe());
+    let (event, _) = foreign.message.to_event();
+    foreign.ack().await?;
+    let record = DeadLetter::new(consumer.config().name.clone(), event, DeadLetterReason::Malformed, error);
+    let inbox = consumer.inbox();
+    let written = async {
+        let mut tx = inbox.begin().await?;
+        inbox.dead_letter(&mut tx, &record).await?;
+        inbox.commit(tx).await
+    }
+    .await;
+    Ok(match written {
+        Ok(()) => Handled::Malformed { problem },
+        Err(e) => Handled::Retry { attempts: 0, error: e.to_string() },
+    })
+}
+
 pub(crate) async fn ack_then_commit<I: Inbox, H: Handler<I>>(
     consumer: &Consumer<I, H>,
     delivery: Delivery,

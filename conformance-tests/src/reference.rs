@@ -54,7 +54,13 @@ pub struct MemoryHarness;
 /// The capabilities of the in-memory broker.
 pub fn memory_capabilities() -> Capabilities {
     Capabilities {
-        present: vec![Capability::DetectsUnroutable, Capability::RedeliveryInfo, Capability::Nack],
+        present: {
+            let mut present =
+                Capability::present_in(&outbox_core::Broker::capabilities(&outbox_core::memory::MemoryBroker::new()));
+            // The memory harnesses write raw entries with `MemoryBroker::publish_raw`.
+            present.push(Capability::ForeignMessages);
+            present
+        },
         delivery_wait: Duration::ZERO,
         sampled_iterations: 200,
         exhaustive: true,
@@ -75,12 +81,15 @@ impl Harness for MemoryHarness {
 
     async fn fixture(&self, _case: &str, clock: ManualClock) -> Result<Fixture<MemoryInbox>> {
         let inbox = MemoryInbox::new(Arc::new(clock.clone()));
-        Ok(Fixture::new(
+        let broker = MemoryBroker::new();
+        let mut fx = Fixture::new(
             Arc::new(MemoryOutbox::new(Arc::new(clock))),
-            Arc::new(MemoryBroker::new()),
+            Arc::new(broker.clone()),
             inbox.clone(),
             Arc::new(MemoryEffects(inbox)),
             Destination::new("suite")?,
-        ))
+        );
+        fx.foreign = Some(Arc::new(crate::harness::MemoryForeign(broker)));
+        Ok(fx)
     }
 }

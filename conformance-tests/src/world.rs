@@ -69,7 +69,7 @@ pub type SuiteConsumer<I> = Consumer<I, SuiteHandler<I>>;
 
 /// Build the suite's consumer for an inbox handle.
 pub fn suite_consumer<I: Inbox>(inbox: I, effects: Arc<dyn EffectTable<I>>, kind: EffectKind) -> SuiteConsumer<I> {
-    let config = ConsumerConfig { max_attempts: 1000, ..ConsumerConfig::new(CONSUMER) };
+    let config = ConsumerConfig::new(CONSUMER).with_max_attempts(1000);
     suite_consumer_with(inbox, effects, kind, config)
 }
 
@@ -523,15 +523,13 @@ impl<I: Inbox> World<I> {
         let recovery = Relay::new(
             self.fx.store.clone(),
             (self.fx.restart_broker)(),
-            RelayConfig {
-                owner: "relay-recovery".into(),
-                batch_size: 64,
-                lease: LEASE,
-                max_attempts: 1000,
-                backoff: Backoff::none(),
-                seed: Some(1),
-                ..RelayConfig::default()
-            },
+            RelayConfig::default()
+                .with_owner("relay-recovery")
+                .with_batch_size(64)
+                .with_lease(LEASE)
+                .with_max_attempts(1000)
+                .with_backoff(Backoff::none())
+                .with_seed(Some(1)),
         );
         let mut unfinished = Vec::new();
         // Bounded: a store that hands out the same rows forever must fail the case, not hang it.

@@ -6,14 +6,22 @@
 //! redelivers; a crash after the commit leaves both and the redelivery is a duplicate.
 //!
 //! Each step is a method of [`InFlight`] so that the conformance suite can crash a consumer
-//! between any two of them; [`Consumer::process`] runs them all for normal use.
+//! between any two of them; [`Consumer::process`] runs them all for normal use. The order is
+//! checked at run time in every build: a step called out of order fails, rolls back what is open
+//! and leaves the delivery to be negatively acknowledged. (A typestate API would reject a wrong
+//! order at compile time, but the suite's interpreter drives the steps from a script and needs
+//! one value that can stop between any two of them.)
+//!
+//! A message that is not an outbox event ([`Received::Foreign`]) takes the same path in one
+//! step: its dead letter ([`DeadLetterReason::Malformed`]) is written and committed, and only
+//! then is it acknowledged; the consumer goes on with the next message at once.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::{
-    Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, Event, Inbox, LedgerState, MarkOutcome, Result,
-    Subscription, VersionOutcome,
+    Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, ErrorKind, Event, ForeignDelivery, Inbox, LedgerState,
+    Malformed, MarkOutcome, Received, Result, Subscription, VersionOutcome,
 };
 use tracing::{debug, warn};
 
@@ -21,7 +29,11 @@ use crate::effect::{EffectKind, Handler};
 use crate::retention::Retention;
 
 /// Consumer settings.
+///
+/// `#[non_exhaustive]`: build it with [`ConsumerConfig::new`] and the `with_*` setters, so a
+/// new setting is not a breaking change.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ConsumerConfig {
     /// Consumer name: the first half of every inbox key. Stable across restarts.
     pub name: String,
@@ -37,6 +49,27 @@ impl ConsumerConfig {
     /// Defaults (5 attempts, markers kept forever) with a name.
     pub fn new(name: impl Into<String>) -> Self {
         Self { name: name.into(), max_attempts: 5, receive_wait: Duration::from_millis(500), retention: None }
+    }
+
+    /// Set [`max_attempts`](Self::max_attempts).
+    #[must_use]
+    pub fn with_max_attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    /// Set [`receive_wait`](Self::receive_wait).
+    #[must_use]
+    pub fn with_receive_wait(mut self, receive_wait: Duration) -> Self {
+        self.receive_wait = receive_wait;
+        self
+    }
+
+    /// Set [`retention`](Self::retention).
+    #[must_use]
+    pub fn with_retention(mut self, retention: Option<Retention>) -> Self {
+        self.retention = retention;
+        self
     }
 }
 
@@ -68,6 +101,12 @@ pub enum Handled {
         /// Attempts made.
         attempts: u32,
     },
+    /// Not an outbox event: recorded as a [`DeadLetterReason::Malformed`] dead letter, then
+    /// acknowledged.
+    Malformed {
+        /// What was wrong with it.
+        problem: Malformed,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +115,21 @@ enum Stage {
     Guarded,
     Applied,
     Committed,
+    /// A step was called out of order: nothing more runs; the delivery is negatively
+    /// acknowledged.
+    Broken,
+}
+
+impl Stage {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Received => "received",
+            Self::Guarded => "guarded",
+            Self::Applied => "applied",
+            Self::Committed => "committed",
+            Self::Broken => "broken by an earlier out-of-order call",
+        }
+    }
 }
 
 /// The consumer runtime for one handler. Cheap to clone: clones share the handler and inbox.
@@ -143,29 +197,82 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
         f.acknowledge().await
     }
 
+    /// Record a message that is not an outbox event and acknowledge it: a
+    /// [`DeadLetterReason::Malformed`] dead letter (raw payload, headers as far as an event holds
+    /// them, an id from the message or its broker position, the problem and position in the
+    /// error text) in a transaction of its own, committed, and only then the acknowledgement.
+    ///
+    /// # Errors
+    /// Only an acknowledgement error. A store failure negatively acknowledges the message (it
+    /// comes back and is recorded then) and returns [`Handled::Retry`].
+    pub async fn process_foreign(&self, foreign: ForeignDelivery) -> Result<Handled> {
+        let name = self.inner.config.name.as_str();
+        let (event, lost) = foreign.message.to_event();
+        let mut error = foreign.describe();
+        if !lost.is_empty() {
+            error.push_str("; not kept as they were: ");
+            error.push_str(&lost.join("; "));
+        }
+        warn!(target: "outbox.consumer", consumer = name, record_id = %event.id, problem = %foreign.problem, "{error}; recording it as a malformed dead letter");
+        let record = DeadLetter::new(name, event, DeadLetterReason::Malformed, error);
+        let inbox = &self.inner.inbox;
+        let written = async {
+            let mut tx = inbox.begin().await?;
+            inbox.dead_letter(&mut tx, &record).await?;
+            inbox.commit(tx).await
+        }
+        .await;
+        match written {
+            Ok(()) => {
+                let problem = foreign.problem;
+                foreign.ack().await?;
+                Ok(Handled::Malformed { problem })
+            }
+            Err(e) => {
+                warn!(target: "outbox.consumer", consumer = name, error = %e, "could not record a malformed message; it will be redelivered");
+                foreign.nack().await?;
+                Ok(Handled::Retry { attempts: 0, error: e.to_string() })
+            }
+        }
+    }
+
+    /// Handle whatever a subscription received: [`process`](Self::process) for an event,
+    /// [`process_foreign`](Self::process_foreign) for anything else.
+    ///
+    /// # Errors
+    /// Only an acknowledgement error.
+    pub async fn handle(&self, received: Received) -> Result<Handled> {
+        match received {
+            Received::Event(d) => self.process(d).await,
+            Received::Foreign(f) => self.process_foreign(f).await,
+        }
+    }
+
     /// Process deliveries from `subscription` until none arrives within `idle`. Returns what
-    /// happened to each, in order.
+    /// happened to each, in order. Messages that are not events are recorded and acknowledged
+    /// ([`Handled::Malformed`]) and the drain goes on.
     ///
     /// # Errors
     /// A subscription or acknowledgement error.
     pub async fn drain(&self, subscription: &mut dyn Subscription, idle: Duration) -> Result<Vec<Handled>> {
         let mut out = Vec::new();
-        while let Some(d) = subscription.next(idle).await? {
-            out.push(self.process(d).await?);
+        while let Some(r) = subscription.receive(idle).await? {
+            out.push(self.handle(r).await?);
         }
         Ok(out)
     }
 
-    /// Process deliveries until `shutdown` is triggered. Subscription errors are logged and
-    /// retried after `receive_wait`.
+    /// Process deliveries until `shutdown` is triggered. A message that is not an event is
+    /// recorded and acknowledged like any other delivery, without a pause; subscription errors
+    /// are logged and retried after `receive_wait`.
     ///
     /// # Errors
     /// None today; the signature leaves room for fatal errors.
     pub async fn run(&self, subscription: &mut dyn Subscription, shutdown: &outbox_core::Shutdown) -> Result<()> {
         while !shutdown.is_triggered() {
-            match subscription.next(self.inner.config.receive_wait).await {
-                Ok(Some(d)) => {
-                    if let Err(e) = self.process(d).await {
+            match subscription.receive(self.inner.config.receive_wait).await {
+                Ok(Some(r)) => {
+                    if let Err(e) = self.handle(r).await {
                         warn!(target: "outbox.consumer", consumer = %self.inner.config.name, error = %e, "acknowledgement failed; the broker will redeliver");
                     }
                 }
@@ -234,17 +341,40 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     fn retry(&mut self, attempts: u32, e: &Error) -> Error {
         self.tx = None;
         self.verdict = Some(Handled::Retry { attempts, error: e.to_string() });
-        Error::new(e.kind(), e.retry(), e.backend().to_string(), e.message().to_string())
+        e.clone()
+    }
+
+    /// Move from `expected` to `next`, or fail: a step called out of order rolls back what is
+    /// open, makes the delivery a retry (negatively acknowledged) and stops every later step.
+    fn enter(&mut self, step: &str, expected: Stage, next: Stage) -> Result<()> {
+        if self.stage == expected {
+            self.stage = next;
+            return Ok(());
+        }
+        let e = Error::permanent(
+            ErrorKind::InvalidInput,
+            "consumer-inbox",
+            format!(
+                "InFlight::{step} called when the delivery of event {} is {} (it must be {}): the order is guard → \
+                 apply → commit → acknowledge; rolled back, it will be negatively acknowledged",
+                self.event.id,
+                self.stage.name(),
+                expected.name()
+            ),
+        );
+        warn!(target: "outbox.consumer", consumer = %self.consumer.inner.config.name, event_id = %self.event.id, "{e}");
+        self.stage = Stage::Broken;
+        Err(self.retry(0, &e))
     }
 
     /// Open the transaction and apply the guard that the handler's effect names.
     ///
     /// # Errors
     /// Store errors; the delivery will then be negatively acknowledged.
+    /// [`ErrorKind::InvalidInput`] when called more than once.
     pub async fn guard(&mut self) -> Result<()> {
-        debug_assert_eq!(self.stage, Stage::Received);
+        self.enter("guard", Stage::Received, Stage::Guarded)?;
         let r = self.guard_inner().await;
-        self.stage = Stage::Guarded;
         r.map_err(|e| self.retry(0, &e))
     }
 
@@ -306,10 +436,10 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     ///
     /// # Errors
     /// The handler's error (after counting it durably and, at `max_attempts`, dead-lettering the
-    /// event), or a store error.
+    /// event), or a store error; [`ErrorKind::InvalidInput`] when not called right after
+    /// [`guard`](InFlight::guard).
     pub async fn apply(&mut self) -> Result<()> {
-        debug_assert_eq!(self.stage, Stage::Guarded);
-        self.stage = Stage::Applied;
+        self.enter("apply", Stage::Guarded, Stage::Applied)?;
         if self.verdict.is_some() {
             return Ok(());
         }
@@ -323,9 +453,7 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
                         .set_ledger_state(tx, &c.inner.config.name, &self.event.id, LedgerState::Done)
                         .await
                         .map_err(|e| {
-                        let err = Error::new(e.kind(), e.retry(), e.backend().to_string(), e.message().to_string());
-                        self.retry(0, &e);
-                        err
+                        self.retry(0, &e)
                     })?;
                 }
                 Ok(())
@@ -375,10 +503,10 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     ///
     /// # Errors
     /// The store's commit error (a concurrent duplicate, a lost connection); the delivery will
-    /// be negatively acknowledged and its redelivery finds the marker or applies once.
+    /// be negatively acknowledged and its redelivery finds the marker or applies once;
+    /// [`ErrorKind::InvalidInput`] when not called right after [`apply`](InFlight::apply).
     pub async fn commit(&mut self) -> Result<()> {
-        debug_assert_eq!(self.stage, Stage::Applied);
-        self.stage = Stage::Committed;
+        self.enter("commit", Stage::Applied, Stage::Committed)?;
         let Some(tx) = self.tx.take() else { return Ok(()) };
         match self.consumer.inner.inbox.commit(tx).await {
             Ok(()) => {
@@ -398,11 +526,18 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// # Errors
     /// The broker's acknowledgement error.
     pub async fn acknowledge(mut self) -> Result<Handled> {
+        // A failed step may end the delivery early (its verdict set, its transaction gone): that
+        // is not uncommitted work. An open transaction or no verdict yet is.
         if self.tx.is_some() || self.verdict.is_none() {
             // Uncommitted work: never acknowledge it. Roll back and hand the delivery back.
             self.tx = None;
-            self.verdict =
-                Some(Handled::Retry { attempts: 0, error: "acknowledge called before commit; rolled back".into() });
+            if self.stage != Stage::Broken {
+                warn!(target: "outbox.consumer", consumer = %self.consumer.inner.config.name, event_id = %self.event.id, stage = self.stage.name(), "acknowledge called before commit; rolled back, negatively acknowledging");
+                self.verdict = Some(Handled::Retry {
+                    attempts: 0,
+                    error: format!("acknowledge called when the delivery is {}; rolled back", self.stage.name()),
+                });
+            }
         }
         let verdict = self.verdict.take().unwrap_or(Handled::Retry { attempts: 0, error: "no verdict".into() });
         let Some(acker) = self.acker.take() else { return Ok(verdict) };

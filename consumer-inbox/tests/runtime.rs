@@ -97,7 +97,7 @@ async fn duplicates_apply_once_and_conflicts_are_dead_lettered() {
 #[tokio::test]
 async fn handler_errors_are_retried_then_dead_lettered_and_the_stream_keeps_flowing() {
     let inbox = MemoryInbox::default();
-    let config = ConsumerConfig { max_attempts: 3, ..ConsumerConfig::new("billing") };
+    let config = ConsumerConfig::new("billing").with_max_attempts(3);
     let consumer = Consumer::new(inbox.clone(), Credit { fail_first: 1.into() }, config);
     let (broker, mut sub) = broker_with(&[ev("flaky", b"5"), ev("poison-1", b"poison"), ev("next", b"1")]).await;
     let handled = consumer.drain(sub.as_mut(), WAIT).await.unwrap();
@@ -195,7 +195,7 @@ async fn pruning_respects_the_checked_retention() {
     let hour = Duration::from_secs(3600);
     assert!(Retention::new(hour, 2 * hour, hour).is_err());
     let retention = Retention::new(4 * hour, 2 * hour, hour).unwrap();
-    let config = ConsumerConfig { retention: Some(retention), ..ConsumerConfig::new("billing") };
+    let config = ConsumerConfig::new("billing").with_retention(Some(retention));
     let consumer = Consumer::new(inbox.clone(), Credit { fail_first: 0.into() }, config);
     let (_b, mut sub) = broker_with(&[ev("old", b"1")]).await;
     consumer.drain(sub.as_mut(), WAIT).await.unwrap();
@@ -216,7 +216,7 @@ async fn pruning_respects_the_checked_retention() {
 #[tokio::test]
 async fn a_removed_dead_letter_replays_with_its_full_attempts() {
     let inbox = MemoryInbox::default();
-    let config = ConsumerConfig { max_attempts: 2, ..ConsumerConfig::new("billing") };
+    let config = ConsumerConfig::new("billing").with_max_attempts(2);
     let consumer = Consumer::new(inbox.clone(), Credit { fail_first: 0.into() }, config);
     let poison = ev("p", b"poison").with_key("k").with_header("h", vec![0u8, 0xfe]);
     let (broker, mut sub) = broker_with(std::slice::from_ref(&poison)).await;

@@ -31,8 +31,8 @@ use outbox::postgres::{PgInbox, PgStore, PgTx, map_commit_error, map_error};
 use outbox::sqlite::rusqlite::{TransactionBehavior, params};
 use outbox::sqlite::{SqliteConfig, SqliteStore, SqliteTx, sqlite_error};
 use outbox::{
-    AnyStore, Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, Inbox, OutboxStore, Relay,
-    RelayConfig, Result, RowId, RowSnapshot, RowStatus,
+    AnyStore, Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, Inbox, OutboxAdmin,
+    Relay, RelayConfig, Result, RowId, RowSnapshot, RowStatus,
 };
 use tokio::sync::watch;
 
@@ -617,10 +617,10 @@ impl Broker for Counted {
 /// claimed the row again and published it: relay A "pauses after sending" (GC, network, a slow
 /// disk) past its lease, relay B claims the row with a newer fencing token and offers it again,
 /// and A's late completion is fenced. A decorator of the `Broker` trait that watches the store
-/// ([`OutboxStore::inspect`]); relay, store and broker are untouched, whichever they are.
+/// ([`OutboxAdmin::inspect`]); relay, store and broker are untouched, whichever they are.
 struct StallAfterSend {
     inner: Arc<dyn Broker>,
-    store: Arc<dyn OutboxStore>,
+    store: Arc<dyn OutboxAdmin>,
     /// The relay that stalls.
     owner: String,
     /// Row of each event, from the producer's enqueue.
@@ -687,7 +687,7 @@ struct Report {
 async fn story<I: Inbox, H: Handler<I>>(
     args: &DemoArgs,
     books: &dyn Books,
-    outbox: Arc<dyn OutboxStore>,
+    outbox: Arc<dyn OutboxAdmin>,
     consumer: Consumer<I, H>,
     broker: Arc<Counted>,
     route: &Route,
@@ -707,12 +707,12 @@ async fn story<I: Inbox, H: Handler<I>>(
         poll: (lease / 10).clamp(Duration::from_millis(5), Duration::from_millis(50)),
         limit: lease * 50,
     });
-    let relay_config = |owner: &str| RelayConfig {
-        owner: owner.into(),
-        batch_size: 100,
-        lease,
-        idle_poll: Duration::from_millis(10),
-        ..RelayConfig::default()
+    let relay_config = |owner: &str| {
+        RelayConfig::default()
+            .with_owner(owner)
+            .with_batch_size(100)
+            .with_lease(lease)
+            .with_idle_poll(Duration::from_millis(10))
     };
     let relay_a = Arc::new(Relay::new(outbox.clone(), stalling.clone(), relay_config("relay-A")));
     let relay_b = Arc::new(Relay::new(outbox.clone(), broker.clone(), relay_config("relay-B")));
@@ -787,7 +787,7 @@ async fn produce(books: &dyn Books, destination: &Destination, args: &DemoArgs) 
 }
 
 /// Wait until no row is pending or leased (every row published or parked), polling the counts.
-async fn until_drained(outbox: &dyn OutboxStore, timeout: Duration) -> Result<()> {
+async fn until_drained(outbox: &dyn OutboxAdmin, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         let s = outbox.stats().await?;
@@ -876,7 +876,7 @@ async fn consume<I: Inbox, H: Handler<I>>(
             Handled::Conflict => "conflict",
             Handled::Retry { .. } => "retried",
             Handled::DeadLettered { .. } => "dead-lettered",
-            Handled::Stale { .. } | Handled::Uncertain => "other",
+            Handled::Stale { .. } | Handled::Uncertain | Handled::Malformed { .. } => "other",
         };
         *handled.entry(label).or_default() += 1;
         if label != "retried" {

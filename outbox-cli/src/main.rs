@@ -3,13 +3,14 @@
 //!
 //! Exit codes: 0 success; 1 a runtime error (unreachable server, wrong password, failed
 //! operation); 2 a usage error (bad flag, bad duration, bad log filter); 3 a failed verdict
-//! (`demo`, `conformance`).
+//! (`demo`, `conformance`, `chaos`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod chaos;
 mod conformance;
 mod demo;
 mod duration;
@@ -29,7 +30,7 @@ const EXIT_VERDICT: u8 = 3;
     name = "outbox",
     version,
     about = "Transactional outbox: run a relay, operate the outbox and the inbox, the demo and the conformance suite",
-    after_help = "Exit codes: 0 success, 1 runtime error, 2 usage error, 3 failed verdict (demo, conformance)."
+    after_help = "Exit codes: 0 success, 1 runtime error, 2 usage error, 3 failed verdict (demo, conformance, chaos)."
 )]
 struct Cli {
     /// Log filter (tracing `EnvFilter` syntax, e.g. `info`, `outbox.relay=debug`). `warn` shows every
@@ -75,6 +76,12 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run the conformance suite and print the failure-class table.
     Conformance(ConformanceArgs),
+    /// Kill relays and consumers, restart every server, cut connections — on a seeded schedule —
+    /// then judge the contract from durable state and print one row per combination × fault.
+    Chaos(chaos::ChaosArgs),
+    /// The chaos runner's own worker processes (not for direct use).
+    #[command(subcommand, hide = true, name = "chaos-worker")]
+    ChaosWorker(chaos::WorkerCommand),
 }
 
 #[derive(clap::Args)]
@@ -93,6 +100,9 @@ fn init_logging(cli: &Cli) -> Result<(), String> {
     let default = match cli.command {
         Command::Relay(_) => "info",
         Command::Demo(_) | Command::Conformance(_) => "error",
+        // The runner's own connections go through the fault proxies: drivers' complaints about
+        // cut connections are the point, not news.
+        Command::Chaos(_) => "error,lapin=off,rdkafka=off",
         _ => "warn",
     };
     let spec = cli.log.clone().unwrap_or_else(|| default.to_string());
@@ -128,6 +138,8 @@ fn main() -> ExitCode {
             Command::DeadLetters(cmd) => ops::dead_letters(cmd).await.map(|()| true),
             Command::Demo(args) => demo::run(args).await,
             Command::Conformance(args) => conformance::run(&args.store, &args.broker).await,
+            Command::Chaos(args) => chaos::run(args).await,
+            Command::ChaosWorker(cmd) => chaos::run_worker(cmd).await.map(|()| true),
         }
     });
     // Don't wait for tasks still blocked on a dead server.

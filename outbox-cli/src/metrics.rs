@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::{OutboxStore, Relay, Result};
+use outbox::{OutboxAdmin, Relay, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::debug;
@@ -35,7 +35,7 @@ impl Server {
 }
 
 /// Listen on `addr` and serve until [`Server::stop`].
-pub(crate) async fn serve(addr: SocketAddr, relay: Arc<Relay>, store: Arc<dyn OutboxStore>) -> Result<Server> {
+pub(crate) async fn serve(addr: SocketAddr, relay: Arc<Relay>, store: Arc<dyn OutboxAdmin>) -> Result<Server> {
     let listener = TcpListener::bind(addr).await.map_err(|e| io_error(&format!("--metrics {addr}"), e))?;
     let addr = listener.local_addr().map_err(|e| io_error("--metrics", e))?;
     let task = tokio::spawn(async move {
@@ -52,7 +52,7 @@ pub(crate) async fn serve(addr: SocketAddr, relay: Arc<Relay>, store: Arc<dyn Ou
     Ok(Server { addr, task })
 }
 
-async fn handle(mut stream: TcpStream, relay: &Relay, store: &dyn OutboxStore) -> std::io::Result<()> {
+async fn handle(mut stream: TcpStream, relay: &Relay, store: &dyn OutboxAdmin) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     let read = async {
@@ -89,7 +89,7 @@ async fn handle(mut stream: TcpStream, relay: &Relay, store: &dyn OutboxStore) -
 }
 
 /// Healthy while the relay runs and its store answers.
-async fn health(relay: &Relay, store: &dyn OutboxStore) -> std::result::Result<(), String> {
+async fn health(relay: &Relay, store: &dyn OutboxAdmin) -> std::result::Result<(), String> {
     if relay.shutdown_handle().is_triggered() {
         return Err("shutting down".into());
     }
@@ -105,7 +105,7 @@ fn label(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-async fn render(relay: &Relay, store: &dyn OutboxStore) -> String {
+async fn render(relay: &Relay, store: &dyn OutboxAdmin) -> String {
     let owner = label(&relay.config().owner);
     let t = relay.totals();
     let mut out = String::new();

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use outbox::core::Timestamp;
 use outbox::core::store::ParkedRow;
-use outbox::{AnyStore, DeadLetter, Error, OutboxStore, Result, RowId, RowSnapshot, RowStatus};
+use outbox::{AnyStore, DeadLetter, Error, OutboxAdmin, Result, RowId, RowSnapshot, RowStatus};
 
 /// Page size when walking rows.
 const PAGE: usize = 1000;
@@ -270,7 +270,7 @@ enum ParkedOp {
 }
 
 impl ParkedOp {
-    async fn apply(self, outbox: &dyn OutboxStore, ids: &[RowId]) -> Result<u64> {
+    async fn apply(self, outbox: &dyn OutboxAdmin, ids: &[RowId]) -> Result<u64> {
         match self {
             Self::Requeue => outbox.requeue_parked(ids).await,
             Self::Purge => outbox.purge_parked(ids).await,
@@ -279,7 +279,7 @@ impl ParkedOp {
 }
 
 /// Apply `op` to the selected parked rows: the given ids, or every parked row page by page.
-async fn for_parked(outbox: &dyn OutboxStore, select: &Selection, op: ParkedOp) -> Result<u64> {
+async fn for_parked(outbox: &dyn OutboxAdmin, select: &Selection, op: ParkedOp) -> Result<u64> {
     if !select.all {
         let n = op.apply(outbox, &select.ids).await?;
         let missing = select.ids.len() as u64 - n.min(select.ids.len() as u64);
@@ -336,6 +336,25 @@ pub(crate) async fn dead_letters(cmd: DeadLetterCommand) -> Result<()> {
         DeadLetterCommand::Replay { inbox, broker, select } => {
             let (store, letters) = letters(&inbox).await?;
             let chosen = choose(&letters, &select)?;
+            // A malformed letter is a message that was never an outbox event: publishing the
+            // event it is filed as would not reproduce the raw message (its id, headers and format
+            // were the problem). Refuse by name.
+            let malformed: Vec<String> = chosen
+                .iter()
+                .filter(|d| d.reason == outbox::core::DeadLetterReason::Malformed)
+                .map(|d| d.id.to_string())
+                .collect();
+            if !malformed.is_empty() {
+                return Err(Error::invalid_input(
+                    "dead-letters",
+                    format!(
+                        "dead letter(s) {} are malformed: messages that were not outbox events (see their error \
+                         text), kept byte-for-byte for inspection; replay cannot republish the raw message \
+                         faithfully, so fix and publish it from its source, then purge the letter; nothing changed",
+                        malformed.join(", ")
+                    ),
+                ));
+            }
             // Letters written before schema 2 did not keep their destination: nowhere to send them.
             let unknown: Vec<String> =
                 chosen.iter().filter(|d| !d.destination_known()).map(|d| d.id.to_string()).collect();

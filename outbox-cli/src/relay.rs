@@ -78,15 +78,13 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
     let broker = outbox::broker_from_url(&args.broker).await?;
     let outbox = store.outbox();
 
-    let config = RelayConfig {
-        owner: owner.clone(),
-        batch_size: args.batch as usize,
-        concurrency: args.concurrency as usize,
-        lease: args.lease,
-        max_attempts: args.max_attempts,
-        idle_poll: args.idle_poll,
-        ..RelayConfig::default()
-    };
+    let config = RelayConfig::default()
+        .with_owner(owner.clone())
+        .with_batch_size(args.batch as usize)
+        .with_concurrency(args.concurrency as usize)
+        .with_lease(args.lease)
+        .with_max_attempts(args.max_attempts)
+        .with_idle_poll(args.idle_poll);
     let relay = Arc::new(Relay::new(outbox.clone(), broker.clone(), config));
     let shutdown = relay.shutdown_handle();
 

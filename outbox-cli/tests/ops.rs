@@ -172,6 +172,40 @@ async fn dead_letter_commands(url: &str, store: &AnyStore, tag: &str) {
         assert!(out.contains("purged 2"), "{out}");
     }
     assert_eq!(admin.dead_letters("someone-else").await.unwrap().len(), 1, "other consumers untouched");
+
+    // A malformed letter (a message that was not an event) is listed with its reason, and replay
+    // refuses it by name, changing nothing.
+    let odd = "ledger-malformed";
+    let mut record = letter(odd, "malformed:orders[0]@7", DeadLetterReason::Malformed);
+    record.error = "no-event-id: no outbox-event-id header (kafka orders[0]@7)".into();
+    match store {
+        AnyStore::Postgres(pg) => {
+            let inbox = pg.inbox();
+            let mut tx = inbox.begin().await.unwrap();
+            inbox.dead_letter(&mut tx, &record).await.unwrap();
+            inbox.commit(tx).await.unwrap();
+        }
+        AnyStore::Sqlite(s) => {
+            let mut tx = s.begin().await.unwrap();
+            s.dead_letter(&mut tx, &record).await.unwrap();
+            s.commit(tx).await.unwrap();
+        }
+        _ => unreachable!("SQLite and PostgreSQL only"),
+    }
+    let stored = admin.dead_letters(odd).await.unwrap();
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].reason, DeadLetterReason::Malformed, "the reason reads back");
+    assert_eq!(stored[0].event.payload, record.event.payload, "raw payload byte-for-byte");
+    let list = ok(&["dead-letters", "list", "--inbox", url, "--consumer", odd]);
+    assert!(list.contains("malformed") && list.contains("no-event-id"), "{list}");
+    let out = run(
+        &["dead-letters", "replay", "--inbox", url, "--consumer", odd, "--broker", "memory://", "--all"],
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    let err = text(&out).1;
+    assert!(err.contains("malformed") && err.contains(&stored[0].id.to_string()), "{err}");
+    assert_eq!(admin.dead_letters(odd).await.unwrap(), stored, "nothing changed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

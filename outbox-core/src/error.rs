@@ -7,6 +7,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 /// Result alias used throughout the workspace.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -39,6 +40,10 @@ pub enum ErrorKind {
     Rejected,
     /// An error inside user code (a handler).
     Handler,
+    /// The server refused the credentials (wrong user or password, unknown ACL user, failed SASL
+    /// handshake). Permanent on every backend: retrying the same credentials cannot succeed, and
+    /// retrying them may lock the account.
+    Auth,
 }
 
 /// Whether trying the same operation again can help.
@@ -56,14 +61,22 @@ pub enum Retry {
 
 /// The error of every trait in this workspace.
 ///
-/// It names the backend that produced it (`"sqlite"`, `"kafka"`, ...), so logs say where a
-/// failure came from without the caller knowing concrete types.
+/// It names the backend that produced it (`"sqlite"`, `"kafka"`, ...) and, where the adapter
+/// knows it, the operation that failed (`"publish"`, `"commit"`, `"connect to …"`), so logs say
+/// where a failure came from without the caller knowing concrete types. The driver's own error
+/// is kept as [`source`](std::error::Error::source), so `anyhow`-style reports print the whole
+/// chain.
+///
+/// Displayed as `backend: operation failed: message: source` (the parts that are present).
+/// Cloning shares the source.
+#[derive(Clone)]
 pub struct Error {
     kind: ErrorKind,
     retry: Retry,
     backend: Cow<'static, str>,
+    operation: Option<Cow<'static, str>>,
     message: String,
-    source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
 }
 
 impl Error {
@@ -74,7 +87,12 @@ impl Error {
         backend: impl Into<Cow<'static, str>>,
         message: impl Into<String>,
     ) -> Self {
-        Self { kind, retry, backend: backend.into(), message: message.into(), source: None }
+        Self { kind, retry, backend: backend.into(), operation: None, message: message.into(), source: None }
+    }
+
+    /// Authentication refused: permanent, kind [`ErrorKind::Auth`].
+    pub fn auth(backend: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Auth, Retry::Permanent, backend, message)
     }
 
     /// Invalid input: permanent.
@@ -105,8 +123,20 @@ impl Error {
     /// Attach the underlying library error.
     #[must_use]
     pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
-        self.source = Some(Box::new(source));
+        self.source = Some(Arc::new(source));
         self
+    }
+
+    /// Name the operation that failed (`"publish"`, `"commit"`, `"XACK 1-0 in g on s"`).
+    #[must_use]
+    pub fn with_operation(mut self, operation: impl Into<Cow<'static, str>>) -> Self {
+        self.operation = Some(operation.into());
+        self
+    }
+
+    /// The operation that failed, when the adapter named it.
+    pub fn operation(&self) -> Option<&str> {
+        self.operation.as_deref()
     }
 
     /// What went wrong.
@@ -147,7 +177,13 @@ impl Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.backend, self.message)?;
+        f.write_str(&self.backend)?;
+        if let Some(operation) = &self.operation {
+            write!(f, ": {operation} failed")?;
+        }
+        if !self.message.is_empty() {
+            write!(f, ": {}", self.message)?;
+        }
         if let Some(source) = &self.source {
             write!(f, ": {source}")?;
         }
@@ -161,6 +197,7 @@ impl fmt::Debug for Error {
             .field("kind", &self.kind)
             .field("retry", &self.retry)
             .field("backend", &self.backend)
+            .field("operation", &self.operation)
             .field("message", &self.message)
             .field("source", &self.source.as_ref().map(|s| s.to_string()))
             .finish()
@@ -185,5 +222,18 @@ mod tests {
         assert!(err.is_transient());
         assert_eq!(err.kind(), ErrorKind::Connection);
         assert!(std::error::Error::source(&err).is_some());
+        assert_eq!(err.operation(), None);
+    }
+
+    #[test]
+    fn display_names_the_operation_and_clones_keep_the_source() {
+        let io = std::io::Error::other("reset");
+        let err = Error::transient(ErrorKind::Connection, "postgres", "").with_operation("commit").with_source(io);
+        assert_eq!(err.to_string(), "postgres: commit failed: reset");
+        assert_eq!(err.operation(), Some("commit"));
+        let copy = err.clone();
+        assert_eq!(std::error::Error::source(&copy).map(ToString::to_string).as_deref(), Some("reset"));
+        let auth = Error::auth("amqp", "credentials refused");
+        assert_eq!((auth.kind(), auth.retry()), (ErrorKind::Auth, Retry::Permanent));
     }
 }

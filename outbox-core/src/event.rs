@@ -37,6 +37,29 @@ pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
 /// leaves room for the adapter's own properties within the smallest common frame size.
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
 
+/// The reserved header that carries an event's content type (a MIME type such as
+/// `application/json`), set with [`Event::with_content_type`].
+///
+/// It is an ordinary header in the event, so stores keep it without a column of their own and it
+/// takes part in the fingerprint; brokers that have a content-type slot of their own (the AMQP
+/// `content_type` property) carry it there and put it back into the headers on receive. Each
+/// broker crate's README documents where it goes on the wire.
+pub const CONTENT_TYPE_HEADER: &str = "content-type";
+/// Longest accepted content type, in bytes (the AMQP `content_type` property is a short string).
+pub const MAX_CONTENT_TYPE_LEN: usize = 255;
+
+/// Why `value` is not an acceptable content type (1 to [`MAX_CONTENT_TYPE_LEN`] bytes of printable
+/// ASCII, spaces allowed: `text/plain; charset=utf-8`), or `None` when it is.
+pub fn content_type_problem(value: &[u8]) -> Option<String> {
+    if value.is_empty() || value.len() > MAX_CONTENT_TYPE_LEN {
+        return Some(format!("content type is {} bytes; 1 to {MAX_CONTENT_TYPE_LEN} are allowed", value.len()));
+    }
+    if let Some(at) = value.iter().position(|b| !(0x20..=0x7e).contains(b)) {
+        return Some(format!("content type has byte 0x{:02x} at {at}; only printable ASCII is allowed", value[at]));
+    }
+    None
+}
+
 fn invalid(message: String) -> Error {
     Error::invalid_input("outbox", message)
 }
@@ -77,6 +100,12 @@ impl EventId {
     /// The id as text.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// Wrap text the caller built to be valid (visible ASCII, at most the limit).
+    pub(crate) fn trusted(id: String) -> Self {
+        debug_assert!(Self::new(id.clone()).is_ok(), "{id:?}");
+        Self(id)
     }
 }
 
@@ -244,11 +273,26 @@ impl Event {
         self
     }
 
+    /// Set the content type (`application/json`, `text/plain; charset=utf-8`): the reserved
+    /// [`CONTENT_TYPE_HEADER`]. [`Event::validate`] checks it (1 to [`MAX_CONTENT_TYPE_LEN`]
+    /// bytes of printable ASCII).
+    #[must_use]
+    pub fn with_content_type(self, content_type: impl Into<String>) -> Self {
+        self.with_header(CONTENT_TYPE_HEADER, content_type.into().into_bytes())
+    }
+
+    /// The content type, if the event has one that is text ([`CONTENT_TYPE_HEADER`]).
+    pub fn content_type(&self) -> Option<&str> {
+        self.headers.get(CONTENT_TYPE_HEADER).and_then(|v| std::str::from_utf8(v).ok())
+    }
+
     /// Check the parts that are not validated by construction (key, headers, payload size).
     ///
     /// # Errors
     /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a key or header name that
-    /// is too long or not printable, or [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge)
+    /// is too long or not printable, a content type ([`CONTENT_TYPE_HEADER`]) that is not 1 to
+    /// [`MAX_CONTENT_TYPE_LEN`] bytes of printable ASCII, or
+    /// [`ErrorKind::TooLarge`](crate::ErrorKind::TooLarge)
     /// (permanent) for a payload over `max_payload` bytes or headers whose names and values
     /// together exceed [`DEFAULT_MAX_HEADER_BYTES`]. The message names the event id, the size
     /// and the limit.
@@ -272,6 +316,9 @@ impl Event {
                     self.id
                 )));
             }
+        }
+        if let Some(problem) = self.headers.get(CONTENT_TYPE_HEADER).and_then(|v| content_type_problem(v)) {
+            return Err(invalid(format!("event {}: {problem}", self.id)));
         }
         let header_bytes = self.header_bytes();
         if header_bytes > DEFAULT_MAX_HEADER_BYTES {
@@ -511,6 +558,24 @@ mod tests {
         // A 10 MB value, the case from the field, is refused even with a huge payload limit.
         let huge = Event::new(id, d, Vec::new()).with_header("trace", vec![0; 10 * 1024 * 1024]);
         assert_eq!(huge.validate(usize::MAX).unwrap_err().kind(), ErrorKind::TooLarge);
+    }
+
+    #[test]
+    fn content_type_is_a_checked_reserved_header() {
+        let e = Event::new(EventId::new("a").unwrap(), Destination::new("d").unwrap(), b"{}".to_vec());
+        assert_eq!(e.content_type(), None);
+        let json = e.clone().with_content_type("application/json; charset=utf-8");
+        assert_eq!(json.content_type(), Some("application/json; charset=utf-8"));
+        assert_eq!(json.headers[CONTENT_TYPE_HEADER], b"application/json; charset=utf-8");
+        assert!(json.validate(DEFAULT_MAX_PAYLOAD).is_ok());
+        assert_ne!(json.fingerprint(), e.fingerprint());
+        for bad in ["", "text/\u{7f}", "t\u{e9}xt/plain"] {
+            let err = e.clone().with_content_type(bad).validate(DEFAULT_MAX_PAYLOAD).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidInput, "{bad:?}");
+            assert!(err.message().contains("content type"), "{err}");
+        }
+        let long = e.with_content_type("x".repeat(MAX_CONTENT_TYPE_LEN + 1));
+        assert!(long.validate(DEFAULT_MAX_PAYLOAD).is_err());
     }
 
     #[test]

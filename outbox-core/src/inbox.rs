@@ -70,6 +70,13 @@ pub enum DeadLetterReason {
     HandlerFailed,
     /// A notification was attempted but its outcome is unknown; retrying could repeat it.
     Uncertain,
+    /// The message was not an outbox event this consumer can read (no or a bad event id, an
+    /// unknown format, bad header names, duplicate headers, oversized headers): see
+    /// [`Malformed`](crate::broker::Malformed). The record keeps the raw payload byte-for-byte,
+    /// the headers as far as an [`Event`] can hold them, and the broker position; its event id is
+    /// the message's own when it had a valid one, else derived from the position
+    /// (`malformed:<position>`). It cannot be replayed as an event.
+    Malformed,
 }
 
 impl DeadLetterReason {
@@ -79,6 +86,7 @@ impl DeadLetterReason {
             Self::Conflict => "conflict",
             Self::HandlerFailed => "handler_failed",
             Self::Uncertain => "uncertain",
+            Self::Malformed => "malformed",
         }
     }
 
@@ -88,6 +96,7 @@ impl DeadLetterReason {
             "conflict" => Self::Conflict,
             "handler_failed" => Self::HandlerFailed,
             "uncertain" => Self::Uncertain,
+            "malformed" => Self::Malformed,
             _ => return None,
         })
     }

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod broker;
+pub mod capabilities;
 pub mod clock;
 pub mod config;
 pub mod error;
@@ -8,11 +9,15 @@ pub mod event;
 pub mod inbox;
 pub mod memory;
 pub mod relay;
+#[cfg(feature = "testkit")]
 pub mod rng;
+#[cfg(not(feature = "testkit"))]
+mod rng;
 pub mod store;
 pub mod wakeup;
 
-pub use broker::{Acknowledge, Broker, Delivery, Subscription};
+pub use broker::{Acknowledge, Broker, Delivery, ForeignDelivery, Malformed, RawMessage, Received, Subscription};
+pub use capabilities::Capabilities;
 pub use clock::{Clock, ManualClock, SharedClock, SystemClock, Timestamp};
 pub use config::{ConnectionUrl, HostPort, UrlSpec, env_url, redact};
 pub use error::{Error, ErrorKind, Result, Retry};
@@ -20,7 +25,7 @@ pub use event::{ConsumerGroup, Destination, Event, EventId, Fingerprint, Headers
 pub use inbox::{DeadLetter, DeadLetterReason, Inbox, InboxAdmin, LedgerState, MarkOutcome, Marker, VersionOutcome};
 pub use relay::{Backoff, BatchReport, Relay, RelayConfig, Shutdown};
 pub use store::{
-    Claimed, Completion, Lease, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId, RowSnapshot,
-    RowStatus,
+    Claimed, Completion, Lease, OutboxAdmin, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId,
+    RowSnapshot, RowStatus,
 };
 pub use wakeup::{Wakeup, WakeupSender};

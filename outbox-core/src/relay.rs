@@ -14,15 +14,19 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::sync::Notify;
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, debug, error, info_span, warn};
 
 use crate::broker::Broker;
-use crate::error::{Error, Result, Retry};
+use crate::error::{Error, ErrorKind, Result, Retry};
 use crate::rng::SplitMix64;
 use crate::store::{Claimed, Completion, Lease, OutboxStore, Outcome, RowId};
 
 /// Exponential backoff with jitter for failed publishes.
+///
+/// `#[non_exhaustive]`: build it with [`Backoff::default`], [`Backoff::none`] or
+/// [`Backoff::new`] and the `with_*` setters, so a new knob is not a breaking change.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct Backoff {
     /// Delay after the first failure.
     pub initial: Duration,
@@ -46,6 +50,39 @@ impl Backoff {
         Self { initial: Duration::ZERO, max: Duration::ZERO, multiplier: 1.0, jitter: 0.0 }
     }
 
+    /// Doubling from `initial` up to `max`, with the default jitter.
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Self { initial, max, ..Self::default() }
+    }
+
+    /// Set [`initial`](Self::initial).
+    #[must_use]
+    pub fn with_initial(mut self, initial: Duration) -> Self {
+        self.initial = initial;
+        self
+    }
+
+    /// Set [`max`](Self::max).
+    #[must_use]
+    pub fn with_max(mut self, max: Duration) -> Self {
+        self.max = max;
+        self
+    }
+
+    /// Set [`multiplier`](Self::multiplier).
+    #[must_use]
+    pub fn with_multiplier(mut self, multiplier: f64) -> Self {
+        self.multiplier = multiplier;
+        self
+    }
+
+    /// Set [`jitter`](Self::jitter).
+    #[must_use]
+    pub fn with_jitter(mut self, jitter: f64) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
     /// Delay before the next try after `attempts` failures so far (0-based), with `unit` in
     /// `[0, 1)` choosing the jitter.
     pub fn delay(&self, attempts: u32, unit: f64) -> Duration {
@@ -58,7 +95,11 @@ impl Backoff {
 }
 
 /// How a relay behaves. `Default` gives production values.
+///
+/// `#[non_exhaustive]`: build it with [`RelayConfig::new`] (or `default`) and the `with_*`
+/// setters; the fields stay readable and assignable, so a new setting is not a breaking change.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RelayConfig {
     /// Lease owner name; must be unique among live relays.
     pub owner: String,
@@ -104,6 +145,69 @@ impl RelayConfig {
     pub fn new(owner: impl Into<String>) -> Self {
         Self { owner: owner.into(), ..Self::default() }
     }
+
+    /// Set [`owner`](Self::owner).
+    #[must_use]
+    pub fn with_owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = owner.into();
+        self
+    }
+
+    /// Set [`batch_size`](Self::batch_size).
+    #[must_use]
+    pub fn with_batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// Set [`lease`](Self::lease).
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Set [`concurrency`](Self::concurrency).
+    #[must_use]
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// Set [`max_attempts`](Self::max_attempts).
+    #[must_use]
+    pub fn with_max_attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    /// Set [`backoff`](Self::backoff).
+    #[must_use]
+    pub fn with_backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// Set [`idle_poll`](Self::idle_poll).
+    #[must_use]
+    pub fn with_idle_poll(mut self, idle_poll: Duration) -> Self {
+        self.idle_poll = idle_poll;
+        self
+    }
+
+    /// Set [`wakeup`](Self::wakeup).
+    #[must_use]
+    pub fn with_wakeup(mut self, wakeup: bool) -> Self {
+        self.wakeup = wakeup;
+        self
+    }
+
+    /// Set [`seed`](Self::seed).
+    #[must_use]
+    pub fn with_seed(mut self, seed: Option<u64>) -> Self {
+        self.seed = seed;
+        self
+    }
 }
 
 /// What one batch did.
@@ -121,6 +225,10 @@ pub struct BatchReport {
     pub parked: u64,
     /// Rows released unpublished (shutdown, or a failure earlier in the same key).
     pub released: u64,
+    /// Rows released because the broker refused the relay's credentials
+    /// ([`ErrorKind::Auth`](crate::ErrorKind::Auth)): not the row's fault, so no attempt is
+    /// counted and nothing is parked; [`Relay::run`] waits `idle_poll` before claiming again.
+    pub refused: u64,
 }
 
 impl BatchReport {
@@ -131,6 +239,7 @@ impl BatchReport {
         self.retried += o.retried;
         self.parked += o.parked;
         self.released += o.released;
+        self.refused += o.refused;
     }
 }
 
@@ -143,6 +252,7 @@ struct Counters {
     retried: AtomicU64,
     parked: AtomicU64,
     released: AtomicU64,
+    refused: AtomicU64,
 }
 
 /// Stops a relay gracefully: no new claims, in-flight publishes finish, unpublished rows of the
@@ -226,6 +336,7 @@ impl Relay {
             retried: c.retried.load(Ordering::Relaxed),
             parked: c.parked.load(Ordering::Relaxed),
             released: c.released.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
         }
     }
 
@@ -249,6 +360,7 @@ impl Relay {
         c.retried.fetch_add(report.retried, Ordering::Relaxed);
         c.parked.fetch_add(report.parked, Ordering::Relaxed);
         c.released.fetch_add(report.released, Ordering::Relaxed);
+        c.refused.fetch_add(report.refused, Ordering::Relaxed);
         if report.claimed > 0 {
             tracing::info!(
                 target: "outbox.relay",
@@ -300,6 +412,9 @@ impl Relay {
                 w.mark_seen();
             }
             let idle = match self.run_once().await {
+                // Refused credentials: claiming again at once would hammer the broker (and may
+                // lock the account); wait `idle_poll`, not cut short by a wake-up signal.
+                Ok(r) if r.refused > 0 => false,
                 Ok(r) if r.claimed > 0 => continue,
                 Ok(_) => true,
                 Err(e) => {
@@ -402,6 +517,17 @@ impl Relay {
 
     async fn on_failure(&self, c: Claimed, e: &Error, report: &mut BatchReport) {
         let row = c.record.row_id;
+        if e.kind() == ErrorKind::Auth {
+            // The broker refused our credentials: no row can be published and none is at fault.
+            // Release without counting an attempt; an operator fixes the credentials.
+            error!(target: "outbox.relay", row, error = %e, "the broker refused the relay's credentials; row released, not parked");
+            match self.store.release(row, &c.lease).await {
+                Ok(Outcome::Applied) => report.refused += 1,
+                Ok(Outcome::Fenced) => self.fenced(&c.lease, row, "release", report).await,
+                Err(se) => warn!(target: "outbox.relay", row, error = %se, "release failed; the lease will expire"),
+            }
+            return;
+        }
         let attempts = c.record.attempts + 1;
         let park = e.retry() == Retry::Permanent || attempts >= self.config.max_attempts;
         if park {
@@ -432,21 +558,14 @@ impl Relay {
 
     async fn fenced(&self, lease: &Lease, row: RowId, op: &str, report: &mut BatchReport) {
         report.fenced += 1;
-        // Read the row's current token for the log; best effort.
-        let current = self
-            .store
-            .inspect(row - 1, 1)
-            .await
-            .ok()
-            .and_then(|rows| rows.into_iter().find(|r| r.row_id == row))
-            .map(|r| (r.token, r.status));
+        // The relay holds only the relay side of the store; `outbox inspect` shows the row's
+        // current token and status.
         warn!(
             target: "outbox.relay",
             row,
             op,
             owner = %lease.owner,
             our_token = lease.token,
-            current = ?current,
             "fenced: this lease is stale; the row was re-claimed or finished by another relay"
         );
     }

@@ -1,5 +1,9 @@
 //! A tiny deterministic generator, so that jitter and randomized tests replay from a seed
 //! without pulling in a random-number crate.
+//!
+//! Public only with the `testkit` feature: the relay uses it for jitter, the conformance suite
+//! and the benches for seeded schedules; it is not part of the stable API.
+#![cfg_attr(not(feature = "testkit"), allow(unreachable_pub, dead_code))]
 
 /// SplitMix64: fast, small state, good enough for jitter and test schedules (not for secrets).
 #[derive(Debug, Clone)]

@@ -4,6 +4,10 @@
 //! (dead letter). Every transition after a claim is conditional on the claim's fencing token, so
 //! a relay that lost its lease can never mark a newer lease's work as done. The token cannot
 //! retract what a stale relay already sent; that duplicate is what the inbox exists for.
+//!
+//! The contract is two traits because its users are two: a relay needs only the state machine
+//! ([`OutboxStore`]), an operator needs parked rows, counts and rows read back
+//! ([`OutboxAdmin`]). A new backend gets a running relay from the small trait alone.
 
 use std::time::Duration;
 
@@ -81,7 +85,7 @@ pub enum RowStatus {
     Leased,
     /// Completed by the token in `published_token`.
     Published,
-    /// Dead-lettered: visible, not offered, replayable with [`OutboxStore::requeue_parked`].
+    /// Dead-lettered: visible, not offered, replayable with [`OutboxAdmin::requeue_parked`].
     Parked,
 }
 
@@ -154,11 +158,16 @@ pub struct OutboxStats {
     pub oldest_pending_age: Option<Duration>,
 }
 
-/// Durable outbox storage with leases and fencing tokens.
+/// Durable outbox storage with leases and fencing tokens: what a relay needs, and all a new
+/// backend must implement before a relay can run on it.
 ///
 /// Object safe: the relay holds an `Arc<dyn OutboxStore>`. Enqueueing inside the caller's own
 /// database transaction is offered by each store crate in its native transaction type; the
 /// [`enqueue`](OutboxStore::enqueue) here is the store's own transaction.
+///
+/// The operator's side — parked rows, counts, reading rows back — is the subtrait
+/// [`OutboxAdmin`], implemented next; tools and tests hold an `Arc<dyn OutboxAdmin>`, which
+/// also converts to the `Arc<dyn OutboxStore>` a relay takes.
 #[async_trait]
 pub trait OutboxStore: Send + Sync {
     /// Short backend name for logs and errors (`"sqlite"`, `"postgres"`, `"memory"`).
@@ -230,6 +239,37 @@ pub trait OutboxStore: Send + Sync {
     /// - token-conditional; the row becomes claimable at once, attempts unchanged.
     async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome>;
 
+    /// A signal that rows were enqueued, for relays in this process (see [`Wakeup`]).
+    ///
+    /// [`Relay::run`](crate::Relay::run) waits for the first of this signal, its poll timer
+    /// and shutdown, so a relay claims new rows as soon as they are visible instead of at the
+    /// next poll.
+    ///
+    /// # Behavior
+    /// - the default returns `None`: the store cannot tell, and relays find new rows by polling;
+    /// - each call returns a new subscriber that has seen every signal sent before the call;
+    /// - rows enqueued through this store (or a clone of it) trigger a signal no earlier than a
+    ///   claim can find them: after the commit, or, for an enqueue in the caller's transaction,
+    ///   at that commit or at a point from which a claim waits for it (each store documents
+    ///   which); a rolled-back enqueue leaves nothing to find;
+    /// - a signal is a hint: it may be spurious (a woken relay that finds nothing waits again)
+    ///   and it may be missing (rows written where the store cannot see, retry times coming due,
+    ///   expired leases), which is why relays keep polling as a safety net;
+    /// - sending is cheap and never blocks the enqueue that triggers it.
+    fn wakeup(&self) -> Option<Wakeup> {
+        None
+    }
+}
+
+/// The operator's side of an outbox: dead-lettered (parked) rows, counts for dashboards, and
+/// rows read back. Object safe, so a tool holds an `Arc<dyn OutboxAdmin>` for whichever store a
+/// URL names; every method is one short transaction of its own on committed state and takes no
+/// part in a relay's leases.
+///
+/// Split from [`OutboxStore`] the way a relay's needs differ from an operator's: a new backend
+/// implements `OutboxStore` first (a relay runs on it), then this.
+#[async_trait]
+pub trait OutboxAdmin: OutboxStore {
     /// Parked rows, oldest first.
     ///
     /// # Behavior
@@ -259,34 +299,14 @@ pub trait OutboxStore: Send + Sync {
     /// # Behavior
     /// - at most `limit` rows with `row_id > after`; status as of the store's current time.
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>>;
-
-    /// A signal that rows were enqueued, for relays in this process (see [`Wakeup`]).
-    ///
-    /// [`Relay::run`](crate::Relay::run) waits for the first of this signal, its poll timer
-    /// and shutdown, so a relay claims new rows as soon as they are visible instead of at the
-    /// next poll.
-    ///
-    /// # Behavior
-    /// - the default returns `None`: the store cannot tell, and relays find new rows by polling;
-    /// - each call returns a new subscriber that has seen every signal sent before the call;
-    /// - rows enqueued through this store (or a clone of it) trigger a signal no earlier than a
-    ///   claim can find them: after the commit, or, for an enqueue in the caller's transaction,
-    ///   at that commit or at a point from which a claim waits for it (each store documents
-    ///   which); a rolled-back enqueue leaves nothing to find;
-    /// - a signal is a hint: it may be spurious (a woken relay that finds nothing waits again)
-    ///   and it may be missing (rows written where the store cannot see, retry times coming due,
-    ///   expired leases), which is why relays keep polling as a safety net;
-    /// - sending is cheap and never blocks the enqueue that triggers it.
-    fn wakeup(&self) -> Option<Wakeup> {
-        None
-    }
 }
 
-/// Read every row of a store (pages through [`OutboxStore::inspect`]).
+/// Read every row of a store, in row-id order (pages through [`OutboxAdmin::inspect`]): for tests
+/// and tools that judge durable state; a relay never needs it.
 ///
 /// # Errors
 /// Whatever `inspect` returns.
-pub async fn all_rows(store: &dyn OutboxStore) -> Result<Vec<RowSnapshot>> {
+pub async fn all_rows(store: &dyn OutboxAdmin) -> Result<Vec<RowSnapshot>> {
     let mut out = Vec::new();
     let mut after = RowId::MIN;
     loop {

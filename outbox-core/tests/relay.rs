@@ -10,7 +10,7 @@ use outbox_core::memory::{MemoryBroker, MemoryOutbox};
 use outbox_core::store::all_rows;
 use outbox_core::{
     Backoff, Broker, Clock, Completion, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, ManualClock,
-    OutboxStore, Relay, RelayConfig, Retry, RowStatus, Subscription,
+    OutboxAdmin, OutboxStore, Relay, RelayConfig, Retry, RowStatus, Subscription,
 };
 use tokio::sync::Notify;
 
@@ -158,6 +158,10 @@ impl OutboxStore for StallComplete {
     async fn release(&self, row: i64, lease: &outbox_core::Lease) -> outbox_core::Result<outbox_core::Outcome> {
         self.inner.release(row, lease).await
     }
+}
+
+#[async_trait]
+impl OutboxAdmin for StallComplete {
     async fn list_parked(&self, limit: usize) -> outbox_core::Result<Vec<outbox_core::ParkedRow>> {
         self.inner.list_parked(limit).await
     }
@@ -184,19 +188,14 @@ async fn wait_until(mut cond: impl FnMut() -> bool) {
 }
 
 fn config(owner: &str) -> RelayConfig {
-    RelayConfig {
-        owner: owner.into(),
-        lease: LEASE,
-        max_attempts: 3,
-        backoff: Backoff {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(60),
-            multiplier: 2.0,
-            jitter: 0.0,
-        },
-        seed: Some(7),
-        ..RelayConfig::default()
-    }
+    RelayConfig::default()
+        .with_owner(owner)
+        .with_lease(LEASE)
+        .with_max_attempts(3)
+        .with_backoff(
+            Backoff::new(Duration::from_secs(1), Duration::from_secs(60)).with_multiplier(2.0).with_jitter(0.0),
+        )
+        .with_seed(Some(7))
 }
 
 /// A broker that answers publishes from a script of results, then delegates.
@@ -294,7 +293,7 @@ async fn permanent_failure_parks_at_once_and_outcome_unknown_is_offered_again() 
         Some(Error::permanent(ErrorKind::TooLarge, "scripted", "message too large")),
         Some(Error::outcome_unknown(ErrorKind::Timeout, "scripted", "delivery timed out")),
     ];
-    let cfg = RelayConfig { backoff: Backoff::none(), ..config("r") };
+    let cfg = config("r").with_backoff(Backoff::none());
     let relay = Relay::new(Arc::new(store.clone()), Arc::new(Scripted::new(broker.clone(), script)), cfg);
     let r = relay.run_once().await.unwrap();
     assert_eq!((r.parked, r.retried), (1, 1));
@@ -356,7 +355,7 @@ async fn key_order_holds_within_a_batch_and_a_failure_holds_back_its_key() {
     let relay = Relay::new(
         Arc::new(store.clone()),
         Arc::new(Scripted::new(broker.clone(), vec![transient()])),
-        RelayConfig { concurrency: 1, backoff: Backoff::none(), ..config("r") },
+        config("r").with_concurrency(1).with_backoff(Backoff::none()),
     );
     let r = relay.run_once().await.unwrap();
     assert_eq!((r.published, r.retried, r.released), (2, 1, 1));

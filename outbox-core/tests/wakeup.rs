@@ -12,8 +12,8 @@ use async_trait::async_trait;
 use outbox_core::memory::{MemoryBroker, MemoryOutbox};
 use outbox_core::store::all_rows;
 use outbox_core::{
-    Broker, Claimed, Completion, ConsumerGroup, Destination, Event, EventId, Lease, OutboxStats, OutboxStore, Outcome,
-    ParkedRow, Relay, RelayConfig, Result, RowId, RowSnapshot, RowStatus, Subscription, Wakeup,
+    Broker, Claimed, Completion, ConsumerGroup, Destination, Event, EventId, Lease, OutboxAdmin, OutboxStats,
+    OutboxStore, Outcome, ParkedRow, Relay, RelayConfig, Result, RowId, RowSnapshot, RowStatus, Subscription, Wakeup,
 };
 
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -60,6 +60,13 @@ impl OutboxStore for Counting {
     async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome> {
         self.inner.release(row, lease).await
     }
+    fn wakeup(&self) -> Option<Wakeup> {
+        self.inner.wakeup()
+    }
+}
+
+#[async_trait]
+impl OutboxAdmin for Counting {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
         self.inner.list_parked(limit).await
     }
@@ -74,9 +81,6 @@ impl OutboxStore for Counting {
     }
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {
         self.inner.inspect(after, limit).await
-    }
-    fn wakeup(&self) -> Option<Wakeup> {
-        self.inner.wakeup()
     }
 }
 
@@ -98,7 +102,7 @@ async fn an_idle_relay_publishes_an_enqueue_at_once() {
     let broker = MemoryBroker::new();
     let group = ConsumerGroup::new("check").unwrap();
     let mut sub = broker.subscribe(&dest(), &group).await.unwrap();
-    let config = RelayConfig { idle_poll: HOUR, seed: Some(1), ..RelayConfig::new("relay-wakeup") };
+    let config = RelayConfig::new("relay-wakeup").with_idle_poll(HOUR).with_seed(Some(1));
     let relay = Arc::new(Relay::new(store.clone(), Arc::new(broker.clone()), config));
     let task = tokio::spawn({
         let relay = relay.clone();
@@ -137,7 +141,7 @@ async fn every_relay_of_the_process_is_woken() {
     let mut relays = Vec::new();
     let mut tasks = Vec::new();
     for i in 0..3 {
-        let config = RelayConfig { idle_poll: HOUR, seed: Some(i), ..RelayConfig::new(format!("relay-{i}")) };
+        let config = RelayConfig::new(format!("relay-{i}")).with_idle_poll(HOUR).with_seed(Some(i));
         let relay = Arc::new(Relay::new(store.clone(), Arc::new(broker.clone()), config));
         tasks.push(tokio::spawn({
             let relay = relay.clone();

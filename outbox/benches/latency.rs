@@ -22,7 +22,7 @@ use async_trait::async_trait;
 use outbox_broker_redis::{RedisBroker, RedisConfig};
 use outbox_core::rng::SplitMix64;
 use outbox_core::{
-    Broker, ConsumerGroup, Destination, Event, EventId, OutboxStore, Relay, RelayConfig, Result, Subscription,
+    Broker, ConsumerGroup, Destination, Event, EventId, OutboxAdmin, Relay, RelayConfig, Result, Subscription,
 };
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe, Connection, PgConnection};
 use outbox_store_postgres::{PgConfig, PgStore, enqueue_one, map_error};
@@ -117,12 +117,10 @@ async fn produce(
 /// One relay (wake-up on or off) under the paced producer; latencies of the measured events.
 async fn measure(store: &PgStore, broker: &Arc<Timed>, dest: &Destination, wakeup: bool, settings: &Settings) -> Stats {
     let run = if wakeup { "wake" } else { "poll" };
-    let config = RelayConfig {
-        idle_poll: IDLE_POLL,
-        wakeup,
-        seed: Some(settings.seed),
-        ..RelayConfig::new(format!("latency-{run}"))
-    };
+    let config = RelayConfig::new(format!("latency-{run}"))
+        .with_idle_poll(IDLE_POLL)
+        .with_wakeup(wakeup)
+        .with_seed(Some(settings.seed));
     let relay = Arc::new(Relay::new(Arc::new(store.clone()), broker.clone(), config));
     let task = tokio::spawn({
         let relay = relay.clone();

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use outbox_core::{
-    Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, OutboxStore, Relay, RelayConfig, Result,
+    Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, OutboxAdmin, OutboxStore, Relay, RelayConfig, Result,
     Subscription,
 };
 use outbox_store_postgres::sqlx::postgres::PgSslMode;
@@ -79,7 +79,7 @@ impl Bench {
     /// Events per second of a relay draining `rows` rows in batches of `batch`.
     async fn relay(&self, rows: usize, batch: usize, owner: &str) -> f64 {
         self.fill(rows).await;
-        let config = RelayConfig { batch_size: batch, lease: LEASE, seed: Some(1), ..RelayConfig::new(owner) };
+        let config = RelayConfig::new(owner).with_batch_size(batch).with_lease(LEASE).with_seed(Some(1));
         let relay = Relay::new(Arc::new(self.store.clone()), Arc::new(Instant0), config);
         let t = Instant::now();
         let report = relay.drain().await.unwrap();

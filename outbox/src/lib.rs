@@ -10,7 +10,7 @@ pub use outbox_consumer_inbox as consumer;
 pub use outbox_core as core;
 pub use outbox_core::{
     Broker, Clock, ConsumerGroup, DeadLetter, Destination, Error, ErrorKind, Event, EventId, Inbox, InboxAdmin,
-    OutboxStats, OutboxStore, Relay, RelayConfig, Result, Retry, RowId, RowSnapshot, RowStatus, Shutdown,
+    OutboxAdmin, OutboxStats, OutboxStore, Relay, RelayConfig, Result, Retry, RowId, RowSnapshot, RowStatus, Shutdown,
 };
 
 #[cfg(feature = "kafka")]
@@ -148,8 +148,9 @@ impl AnyStore {
         self.outbox().backend()
     }
 
-    /// The outbox, for a [`Relay`] or for operators.
-    pub fn outbox(&self) -> Arc<dyn OutboxStore> {
+    /// The outbox, for operators ([`OutboxAdmin`]) or a [`Relay`] (it converts to the
+    /// `Arc<dyn OutboxStore>` a relay takes).
+    pub fn outbox(&self) -> Arc<dyn OutboxAdmin> {
         match self {
             #[cfg(feature = "postgres")]
             Self::Postgres(s) => Arc::new(s.clone()),
@@ -165,15 +166,15 @@ impl AnyStore {
             #[cfg(feature = "postgres")]
             Self::Postgres(s) => Arc::new(s.inbox()),
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(s) => Arc::new(s.clone()),
+            Self::Sqlite(s) => Arc::new(s.inbox()),
             Self::Memory(_, i) => Arc::new(i.clone()),
         }
     }
 
     /// Bring the schema to the version this library knows; returns that version.
     ///
-    /// Idempotent. PostgreSQL runs its migrations (under an advisory lock, safe from several
-    /// processes at once); SQLite migrated when it was opened; memory has no schema (0).
+    /// Idempotent and safe from several processes at once (PostgreSQL: under an advisory lock;
+    /// SQLite: one `BEGIN IMMEDIATE` transaction per version); memory has no schema (0).
     ///
     /// # Errors
     /// The backend's error; [`ErrorKind::Corrupt`] when the database is newer than this library.
@@ -182,7 +183,7 @@ impl AnyStore {
             #[cfg(feature = "postgres")]
             Self::Postgres(s) => Ok(i64::from(s.migrate().await?)),
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(s) => s.schema_version().await,
+            Self::Sqlite(s) => s.migrate().await,
             Self::Memory(..) => Ok(0),
         }
     }
@@ -190,32 +191,14 @@ impl AnyStore {
     /// Check that the schema is in place and at the version this library knows.
     ///
     /// # Errors
-    /// [`ErrorKind::Config`] naming the command that fixes it when PostgreSQL's tables are
-    /// missing or older (`outbox migrate --store URL`); [`ErrorKind::Corrupt`] when newer.
+    /// [`ErrorKind::Config`] naming the fix when the tables are missing or older
+    /// (`outbox migrate --store URL`); [`ErrorKind::Corrupt`] when newer.
     pub async fn check_schema(&self) -> Result<()> {
         match self {
             #[cfg(feature = "postgres")]
-            Self::Postgres(s) => {
-                let want = outbox_store_postgres::SCHEMA_VERSION;
-                let where_ = format!("schema \"{}\", table prefix \"{}\"", s.tables().schema(), s.tables().prefix());
-                match s.schema_version().await? {
-                    Some(v) if v == want => Ok(()),
-                    Some(v) if v > want => Err(Error::permanent(
-                        ErrorKind::Corrupt,
-                        "postgres",
-                        format!("{where_} is at version {v}, newer than the {want} this program knows; upgrade it"),
-                    )),
-                    found => Err(Error::config(
-                        "postgres",
-                        format!(
-                            "{where_} is at version {}, this program needs {want}: run `outbox migrate --store URL` first",
-                            found.map_or_else(|| "none (no tables)".to_string(), |v| v.to_string())
-                        ),
-                    )),
-                }
-            }
+            Self::Postgres(s) => s.check_schema().await,
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(_) => Ok(()),
+            Self::Sqlite(s) => s.check_schema().await,
             Self::Memory(..) => Ok(()),
         }
     }

@@ -25,16 +25,18 @@ pub(crate) enum Phase {
 /// Convert an error of a statement run inside an open transaction (a handler's effect, for
 /// example). A lost connection is transient there: the server rolls the transaction back.
 pub fn map_error(err: sqlx::Error) -> Error {
-    map(err, Phase::InTransaction, "statement failed")
+    map(err, Phase::InTransaction, "statement")
 }
 
-/// Convert an error of `COMMIT`: a lost connection is [`Retry::OutcomeUnknown`].
+/// Convert an error of `COMMIT` of a transaction the caller opened itself (a producer that
+/// enqueues in its own transaction, see [`enqueue`](crate::enqueue)): a lost connection is
+/// [`Retry::OutcomeUnknown`], because the commit may have happened.
 pub fn map_commit_error(err: sqlx::Error) -> Error {
-    map(err, Phase::Commit, "commit failed")
+    map(err, Phase::Commit, "commit")
 }
 
 /// The SQLSTATE of a database error, if it is one.
-pub fn sqlstate(err: &sqlx::Error) -> Option<String> {
+pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<String> {
     match err {
         sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
         _ => None,
@@ -52,49 +54,48 @@ pub fn is_retryable_conflict(err: &sqlx::Error) -> bool {
     matches!(sqlstate(err).as_deref(), Some("40001" | "40P01" | "55P03"))
 }
 
-pub(crate) fn map(err: sqlx::Error, phase: Phase, what: &str) -> Error {
+/// Convert an error of `operation` (`"claim"`, `"begin"`, `"connecting to …"`): the operation
+/// is named in the error, the driver error kept as its source.
+pub(crate) fn map(err: sqlx::Error, phase: Phase, operation: &str) -> Error {
+    classify(&err, phase).with_operation(operation.to_string()).with_source(err)
+}
+
+fn classify(err: &sqlx::Error, phase: Phase) -> Error {
     let lost = |msg: &str| match phase {
-        Phase::InTransaction => Error::transient(ErrorKind::Connection, BACKEND, format!("{what}: {msg}")),
+        Phase::InTransaction => Error::transient(ErrorKind::Connection, BACKEND, msg.to_string()),
         Phase::AutocommitWrite | Phase::Commit => Error::outcome_unknown(
             ErrorKind::Connection,
             BACKEND,
-            format!("{what}: {msg}; the write may or may not have been committed"),
+            format!("{msg}; the write may or may not have been committed"),
         ),
     };
-    let e = match &err {
+    match err {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            from_sqlstate(&code, phase, what)
+            from_sqlstate(&code, phase)
         }
         sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => {
             lost("connection failed or broke")
         }
-        sqlx::Error::Tls(_) => Error::transient(ErrorKind::Connection, BACKEND, format!("{what}: TLS failure")),
-        sqlx::Error::PoolTimedOut => Error::transient(
-            ErrorKind::Connection,
-            BACKEND,
-            format!("{what}: no connection available within the connect timeout"),
-        ),
-        sqlx::Error::PoolClosed => {
-            Error::permanent(ErrorKind::Closed, BACKEND, format!("{what}: the connection pool is closed"))
+        sqlx::Error::Tls(_) => Error::transient(ErrorKind::Connection, BACKEND, "TLS failure"),
+        sqlx::Error::PoolTimedOut => {
+            Error::transient(ErrorKind::Connection, BACKEND, "no connection available within the connect timeout")
         }
-        sqlx::Error::Configuration(_) => Error::config(BACKEND, format!("{what}: invalid connection settings")),
+        sqlx::Error::PoolClosed => Error::permanent(ErrorKind::Closed, BACKEND, "the connection pool is closed"),
+        sqlx::Error::Configuration(_) => Error::config(BACKEND, "invalid connection settings"),
         sqlx::Error::ColumnDecode { .. }
         | sqlx::Error::Decode(_)
         | sqlx::Error::ColumnNotFound(_)
         | sqlx::Error::ColumnIndexOutOfBounds { .. }
-        | sqlx::Error::TypeNotFound { .. } => Error::permanent(
-            ErrorKind::Corrupt,
-            BACKEND,
-            format!("{what}: stored data does not have the expected shape (run migrate?)"),
-        ),
-        _ => Error::permanent(ErrorKind::Rejected, BACKEND, what.to_string()),
-    };
-    e.with_source(err)
+        | sqlx::Error::TypeNotFound { .. } => {
+            Error::permanent(ErrorKind::Corrupt, BACKEND, "stored data does not have the expected shape (run migrate?)")
+        }
+        _ => Error::permanent(ErrorKind::Rejected, BACKEND, ""),
+    }
 }
 
-fn from_sqlstate(code: &str, phase: Phase, what: &str) -> Error {
-    let msg = |m: &str| format!("{what}: {m} (SQLSTATE {code})");
+fn from_sqlstate(code: &str, phase: Phase) -> Error {
+    let msg = |m: &str| format!("{m} (SQLSTATE {code})");
     let class = code.get(..2).unwrap_or("");
     match (code, class) {
         ("40001", _) => Error::transient(ErrorKind::Busy, BACKEND, msg("serialization failure")),
@@ -110,7 +111,8 @@ fn from_sqlstate(code: &str, phase: Phase, what: &str) -> Error {
         }
         ("53300", _) => Error::transient(ErrorKind::Connection, BACKEND, msg("too many connections")),
         (_, "53") => Error::transient(ErrorKind::Busy, BACKEND, msg("insufficient resources")),
-        (_, "28") => Error::config(BACKEND, msg("authentication failed")),
+        // Wrong password, unknown role, no pg_hba entry: the same credentials fail again.
+        (_, "28") => Error::auth(BACKEND, msg("authentication failed")),
         ("3D000", _) => Error::config(BACKEND, msg("database does not exist")),
         ("3F000" | "42P01", _) => {
             Error::permanent(ErrorKind::Rejected, BACKEND, msg("schema or table missing (run PgStore::migrate)"))
@@ -132,6 +134,10 @@ mod tests {
         assert_eq!(map_commit_error(io()).kind(), ErrorKind::Connection);
         assert_eq!(map_error(sqlx::Error::PoolTimedOut).retry(), Retry::Transient);
         assert_eq!(map_error(sqlx::Error::PoolClosed).kind(), ErrorKind::Closed);
+        let e = map(io(), Phase::Commit, "claim");
+        assert_eq!(e.operation(), Some("claim"));
+        assert!(e.to_string().starts_with("postgres: claim failed: connection failed or broke"), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
     }
 
     #[test]
@@ -145,13 +151,14 @@ mod tests {
             ("22001", ErrorKind::TooLarge, Retry::Permanent),
             ("54000", ErrorKind::TooLarge, Retry::Permanent),
             ("08006", ErrorKind::Connection, Retry::Transient),
-            ("28P01", ErrorKind::Config, Retry::Permanent),
+            ("28P01", ErrorKind::Auth, Retry::Permanent),
+            ("28000", ErrorKind::Auth, Retry::Permanent),
             ("42601", ErrorKind::Rejected, Retry::Permanent),
         ];
         for (code, kind, retry) in cases {
-            let e = from_sqlstate(code, Phase::InTransaction, "x");
+            let e = from_sqlstate(code, Phase::InTransaction);
             assert_eq!((e.kind(), e.retry()), (kind, retry), "{code}");
         }
-        assert_eq!(from_sqlstate("57P01", Phase::Commit, "x").retry(), Retry::OutcomeUnknown);
+        assert_eq!(from_sqlstate("57P01", Phase::Commit).retry(), Retry::OutcomeUnknown);
     }
 }

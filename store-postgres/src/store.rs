@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::{
-    Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxRecord, OutboxStats, OutboxStore,
-    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, Timestamp, Wakeup,
+    Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxAdmin, OutboxRecord, OutboxStats,
+    OutboxStore, Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, Timestamp, Wakeup,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
@@ -71,8 +71,10 @@ pub(crate) fn corrupt(message: impl Into<String>) -> Error {
 /// An [`OutboxStore`] on PostgreSQL. Cheap to clone: clones share the pool.
 ///
 /// Build it with [`connect`](PgStore::connect), [`connect_with_clock`](PgStore::connect_with_clock)
-/// or [`from_pool`](PgStore::from_pool), then call [`migrate`](PgStore::migrate) once (the crate
-/// never changes the schema on its own).
+/// or [`from_pool`](PgStore::from_pool), then call [`migrate`](PgStore::migrate) once, or check
+/// with [`check_schema`](PgStore::check_schema) that a deploy step did; [`open`](PgStore::open)
+/// is `connect` + `migrate`. Only `open` and `migrate` change the schema — the same three steps
+/// `SqliteStore` has.
 ///
 /// Its [`wakeup`](OutboxStore::wakeup) signal comes from PostgreSQL: every enqueue (through
 /// the store or [`enqueue`](crate::enqueue) in the caller's transaction, from any process) sends
@@ -124,6 +126,29 @@ impl PgStore {
         let pool = config.pool_options().connect_lazy_with(options);
         let notifier = Arc::new(Notifier::new(&tables));
         Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config), notifier })
+    }
+
+    /// Connect and apply the migrations: [`connect`](PgStore::connect) followed by
+    /// [`migrate`](PgStore::migrate) — the convenient default for an application that owns its
+    /// schema, the same call as `SqliteStore::open`. Deployments that migrate in a separate step
+    /// use `connect` and [`check_schema`](PgStore::check_schema) instead.
+    ///
+    /// # Errors
+    /// As [`connect`](PgStore::connect) and [`migrate`](PgStore::migrate).
+    pub async fn open(config: PgConfig) -> Result<Self> {
+        let store = Self::connect(config).await?;
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// [`open`](PgStore::open) with an injected clock.
+    ///
+    /// # Errors
+    /// As [`open`](PgStore::open).
+    pub async fn open_with_clock(config: PgConfig, clock: SharedClock) -> Result<Self> {
+        let store = Self::connect_with_clock(config, clock).await?;
+        store.migrate().await?;
+        Ok(store)
     }
 
     /// Connect with an injected clock (tests expire leases by advancing a
@@ -280,6 +305,50 @@ impl PgStore {
             .fetch_one(&mut *conn)
             .await
             .map_err(|e| map(e, Phase::InTransaction, "reading the schema version"))
+    }
+
+    /// Check that the tables are in place at the version this crate knows, without changing
+    /// anything.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] when the tables are missing or older, naming the fix
+    /// ([`migrate`](PgStore::migrate), or `outbox migrate --store URL`);
+    /// [`ErrorKind::Corrupt`] when the database is at a newer version than this crate knows.
+    pub async fn check_schema(&self) -> Result<()> {
+        let want = SCHEMA_VERSION;
+        let where_ = format!("schema \"{}\", table prefix \"{}\"", self.tables.schema(), self.tables.prefix());
+        match self.schema_version().await? {
+            Some(v) if v == want => Ok(()),
+            Some(v) if v > want => Err(corrupt(format!(
+                "{where_} is at version {v}, newer than the {want} this library knows; upgrade it"
+            ))),
+            found => Err(Error::config(
+                BACKEND,
+                format!(
+                    "{where_} is at version {}, this library needs {want}: run PgStore::migrate (or `outbox \
+                     migrate --store URL`) first",
+                    found.map_or_else(|| "none (no tables)".to_string(), |v| v.to_string())
+                ),
+            )),
+        }
+    }
+
+    /// Enqueue `events` on `conn` (typically `&mut *tx` of your own transaction) with this
+    /// store's clock and payload limit: [`enqueue`](crate::enqueue)`(conn, self, events)`, the
+    /// same method `SqliteStore` has.
+    ///
+    /// # Errors
+    /// As [`enqueue`](crate::enqueue).
+    pub async fn enqueue_in(&self, conn: &mut PgConnection, events: &[Event]) -> Result<Vec<RowId>> {
+        crate::enqueue::enqueue(conn, self, events).await
+    }
+
+    /// [`enqueue_in`](PgStore::enqueue_in) for one event.
+    ///
+    /// # Errors
+    /// As [`enqueue`](crate::enqueue).
+    pub async fn enqueue_one_in(&self, conn: &mut PgConnection, event: &Event) -> Result<RowId> {
+        crate::enqueue::enqueue_one(conn, self, event).await
     }
 
     async fn lock_and_create_schema(&self, conn: &mut PgConnection) -> Result<()> {
@@ -560,6 +629,15 @@ impl OutboxStore for PgStore {
         Ok(applied(hit))
     }
 
+    /// Starts the store's `LISTEN` task on the first call (connecting like the pool does);
+    /// `None` after [`close`](PgStore::close) or outside a tokio runtime. See [`PgStore`].
+    fn wakeup(&self) -> Option<Wakeup> {
+        self.notifier.subscribe(&self.pool.connect_options(), self.config.connect_timeout())
+    }
+}
+
+#[async_trait]
+impl OutboxAdmin for PgStore {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
         let mut conn = self.acquire().await?;
         let rows = sqlx::query(AssertSqlSafe(self.tables.sql.list_parked.clone()))
@@ -624,12 +702,6 @@ impl OutboxStore for PgStore {
             published: count("published")?,
             oldest_pending_age: oldest.map(|o| Timestamp(now).since(Timestamp(o))),
         })
-    }
-
-    /// Starts the store's `LISTEN` task on the first call (connecting like the pool does);
-    /// `None` after [`close`](PgStore::close) or outside a tokio runtime. See [`PgStore`].
-    fn wakeup(&self) -> Option<Wakeup> {
-        self.notifier.subscribe(&self.pool.connect_options(), self.config.connect_timeout())
     }
 
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {

@@ -172,12 +172,16 @@ impl PgTables {
     }
 
     /// The claim statement, exactly as the store runs it. Parameters: `$1` now in ms (`NULL`:
-    /// database clock), `$2` limit, `$3` owner, `$4` lease in ms. For `EXPLAIN`.
+    /// database clock), `$2` limit, `$3` owner, `$4` lease in ms. For `EXPLAIN` in tests and
+    /// benches: only with the `testkit` feature, not part of the stable API.
+    #[cfg(any(test, feature = "testkit"))]
     pub fn claim_sql(&self) -> &str {
         &self.sql.claim
     }
 
-    /// The statements of each migration, by version.
+    /// The statements of each migration, by version. Only with the `testkit` feature, not part
+    /// of the stable API.
+    #[cfg(any(test, feature = "testkit"))]
     pub fn migration_sql(&self) -> impl Iterator<Item = (i32, &str)> {
         self.sql.migrations.iter().map(|(v, s)| (*v, &**s))
     }

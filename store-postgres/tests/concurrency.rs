@@ -15,8 +15,8 @@ use common::{TestDb, dest, event};
 use outbox_core::memory::MemoryBroker;
 use outbox_core::store::all_rows;
 use outbox_core::{
-    Backoff, BatchReport, Broker, ConsumerGroup, Destination, Event, OutboxStore, Relay, RelayConfig, RowStatus,
-    Subscription,
+    Backoff, BatchReport, Broker, ConsumerGroup, Destination, Event, OutboxAdmin, OutboxStore, Relay, RelayConfig,
+    RowStatus, Subscription,
 };
 
 const LEASE: Duration = Duration::from_millis(200);
@@ -38,15 +38,13 @@ async fn run_relays(db: &TestDb, broker: Arc<dyn Broker>, log: &MemoryBroker, ro
     let mut handles = Vec::new();
     let mut stops = Vec::new();
     for i in 0..relays {
-        let config = RelayConfig {
-            owner: format!("relay-{i}"),
-            batch_size: 100,
-            lease: LEASE,
-            idle_poll: Duration::from_millis(10),
-            backoff: Backoff::none(),
-            seed: Some(i as u64),
-            ..RelayConfig::default()
-        };
+        let config = RelayConfig::default()
+            .with_owner(format!("relay-{i}"))
+            .with_batch_size(100)
+            .with_lease(LEASE)
+            .with_idle_poll(Duration::from_millis(10))
+            .with_backoff(Backoff::none())
+            .with_seed(Some(i as u64));
         let store: Arc<dyn OutboxStore> = Arc::new(db.store.clone());
         let relay = Relay::new(store, broker.clone(), config);
         stops.push(relay.shutdown_handle());

@@ -5,7 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{TestDb, base_config, drop_schema, event, pg_available, unique_schema};
-use outbox_core::{ErrorKind, Inbox, InboxAdmin, OutboxStore, Retry};
+use outbox_core::{ErrorKind, Inbox, InboxAdmin, OutboxAdmin, OutboxStore, Retry};
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe};
 use outbox_store_postgres::{MAX_PREFIX_LEN, PgConfig, PgStore, SCHEMA_VERSION, is_unique_violation, map_error};
 

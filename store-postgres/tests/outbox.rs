@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::{TestDb, arc_clock, event};
 use outbox_core::store::all_rows;
-use outbox_core::{Completion, ErrorKind, Event, ManualClock, OutboxStore, Outcome, Retry, RowStatus};
+use outbox_core::{Completion, ErrorKind, Event, ManualClock, OutboxAdmin, OutboxStore, Outcome, Retry, RowStatus};
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe};
 use outbox_store_postgres::{enqueue, enqueue_one};
 

@@ -33,6 +33,7 @@ pub const DEFAULT_POOL_SIZE: usize = 4;
 /// The database is always in WAL mode; this only decides what a crash of the *machine* can take
 /// away. A crash of the *process* loses nothing in either mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Synchronous {
     /// `FULL`: every commit is synced to disk before it returns. A committed outbox row or inbox
     /// marker survives power loss. The default, because the contract's promises are about
@@ -91,6 +92,7 @@ impl fmt::Display for Synchronous {
 /// rejected with the list of known ones). SQLite URLs carry no credentials, so `Debug` and
 /// `Display` have nothing to redact.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SqliteConfig {
     /// The database file. Created if absent; its directory must exist.
     pub path: PathBuf,

@@ -5,23 +5,23 @@
 //! savepoint, so a rejected batch leaves the caller's transaction exactly as it was and the
 //! caller decides whether to commit its domain write anyway.
 
-use outbox_core::event::DEFAULT_MAX_PAYLOAD;
-use outbox_core::{Clock, Error, ErrorKind, Event, Result, RowId, SystemClock, Timestamp};
+use outbox_core::{Error, ErrorKind, Event, Result, RowId, Timestamp};
 use rusqlite::{Connection, Transaction};
 
 use crate::error::{BACKEND, ResultExt, map};
+use crate::store::SqliteStore;
 use outbox_core::event::encode_headers;
 
-/// Enqueue `events` in the caller's transaction `tx`, stamped with the system clock and checked
-/// against [`DEFAULT_MAX_PAYLOAD`].
+/// Enqueue `events` in the caller's transaction `tx`, with `store`'s clock and payload limit
+/// ([`SqliteConfig::max_payload`](crate::SqliteConfig)), and wake `store`'s relays — the same
+/// shape as `outbox_store_postgres::enqueue(&mut tx, &store, &events)`.
 ///
-/// The rows become visible to relays when `tx` commits, and vanish if it rolls back. This
-/// function knows no store, so it wakes no relay: relays find the rows at their next poll. To
-/// wake the relays of a store in this process at once, and to use its configured clock and
-/// payload limit (tests with a `ManualClock`, a non-default `max_payload`), call
-/// [`SqliteStore::enqueue_in`](crate::SqliteStore::enqueue_in) instead.
-/// Open the connection with [`SqliteConfig::open_connection`](crate::SqliteConfig::open_connection)
-/// and start `tx` with `TransactionBehavior::Immediate` so it does not fail half-way on a lock.
+/// The rows become visible to relays when `tx` commits, and vanish if it rolls back. The relays
+/// of `store` (and its clones) are woken when the rows are written; their claim then waits for
+/// your commit on SQLite's write lock (see [`SqliteStore`]'s "Waking relays").
+/// Open the connection with [`SqliteStore::connect_raw`] and start `tx` with
+/// `TransactionBehavior::Immediate` so it does not fail half-way on a lock. Blocking, like every
+/// `rusqlite` call.
 ///
 /// # Errors
 /// - [`ErrorKind::InvalidInput`] / [`ErrorKind::TooLarge`] from [`Event::validate`], before
@@ -31,17 +31,16 @@ use outbox_core::event::encode_headers;
 /// - SQLite errors, converted.
 ///
 /// On any error nothing of `events` is written and `tx` is still open and usable.
-pub fn enqueue(tx: &Transaction<'_>, events: &[Event]) -> Result<Vec<RowId>> {
-    insert_events(tx, events, SystemClock.now(), DEFAULT_MAX_PAYLOAD)
+pub fn enqueue(tx: &Transaction<'_>, store: &SqliteStore, events: &[Event]) -> Result<Vec<RowId>> {
+    store.enqueue_in(tx, events)
 }
 
-/// [`enqueue`] for one event; it wakes no relay either (see
-/// [`SqliteStore::enqueue_one_in`](crate::SqliteStore::enqueue_one_in)).
+/// [`enqueue`] for one event.
 ///
 /// # Errors
 /// As [`enqueue`].
-pub fn enqueue_one(tx: &Transaction<'_>, event: &Event) -> Result<RowId> {
-    enqueue(tx, std::slice::from_ref(event))?
+pub fn enqueue_one(tx: &Transaction<'_>, store: &SqliteStore, event: &Event) -> Result<RowId> {
+    enqueue(tx, store, std::slice::from_ref(event))?
         .into_iter()
         .next()
         .ok_or_else(|| Error::permanent(ErrorKind::Rejected, BACKEND, "enqueue returned no row id"))

@@ -63,10 +63,11 @@ fn classify(e: &rusqlite::Error) -> (ErrorKind, Retry) {
     }
 }
 
-/// Convert with a short description of what was being done.
+/// Convert with a short description of what was being done: the error names it as its
+/// operation and keeps the rusqlite error as its source.
 pub(crate) fn map(context: &str, e: rusqlite::Error) -> Error {
     let (kind, retry) = classify(&e);
-    Error::new(kind, retry, BACKEND, context.to_string()).with_source(e)
+    Error::new(kind, retry, BACKEND, "").with_operation(context.to_string()).with_source(e)
 }
 
 /// Convert a failed `COMMIT`: busy means SQLite kept the transaction open and nothing is
@@ -74,7 +75,7 @@ pub(crate) fn map(context: &str, e: rusqlite::Error) -> Error {
 pub(crate) fn map_commit(context: &str, e: rusqlite::Error) -> Error {
     let (kind, retry) = classify(&e);
     let retry = if kind == ErrorKind::Busy { retry } else { Retry::OutcomeUnknown };
-    Error::new(kind, retry, BACKEND, format!("{context}: commit")).with_source(e)
+    Error::new(kind, retry, BACKEND, "").with_operation(format!("{context} (commit)")).with_source(e)
 }
 
 /// `.ctx("what")` on a `rusqlite` result.
@@ -120,5 +121,9 @@ mod tests {
         }
         assert_eq!(map_commit("x", failure(ffi::SQLITE_IOERR_FSYNC)).retry(), Retry::OutcomeUnknown);
         assert_eq!(map_commit("x", failure(ffi::SQLITE_BUSY)).retry(), Retry::Transient);
+        let e = map("claim", failure(ffi::SQLITE_BUSY));
+        assert_eq!(e.operation(), Some("claim"));
+        assert!(e.to_string().starts_with("sqlite: claim failed: "), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
     }
 }

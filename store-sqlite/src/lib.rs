@@ -15,7 +15,7 @@ pub use enqueue::{enqueue, enqueue_one};
 pub use error::sqlite_error;
 pub use inbox::SqliteTx;
 pub use schema::SCHEMA_VERSION;
-pub use store::SqliteStore;
+pub use store::{SqliteInbox, SqliteStore};
 
 /// The `rusqlite` this crate is built with, so callers use the same `Connection` and
 /// `Transaction` types.

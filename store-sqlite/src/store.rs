@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::{
-    Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxRecord, OutboxStats, OutboxStore,
-    Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, SystemClock, Timestamp, Wakeup,
-    WakeupSender,
+    Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxAdmin, OutboxRecord, OutboxStats,
+    OutboxStore, Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, SystemClock, Timestamp,
+    Wakeup, WakeupSender,
 };
 use rusqlite::types::Value;
 use rusqlite::{Connection, Transaction, TransactionBehavior};
@@ -52,17 +52,25 @@ macro_rules! holds_lease {
 /// Its [`wakeup`](OutboxStore::wakeup) signal is in-process and shared by clones: relays
 /// running on this handle (or a clone) wake up when rows are enqueued through it.
 /// - [`enqueue`](OutboxStore::enqueue) signals after its commit.
-/// - [`enqueue_in`](SqliteStore::enqueue_in) / [`enqueue_one_in`](SqliteStore::enqueue_one_in)
-///   signal as soon as the rows are written, before the caller's commit. That is early, not
+/// - [`enqueue`](crate::enqueue) / [`enqueue_one`](crate::enqueue_one) in the caller's
+///   transaction (and the same methods [`enqueue_in`](SqliteStore::enqueue_in) /
+///   [`enqueue_one_in`](SqliteStore::enqueue_one_in)) signal as soon as the rows are written,
+///   before the caller's commit. That is early, not
 ///   wrong: SQLite has one writer, the caller's transaction holds the write lock from its first
 ///   write until it ends, and a woken relay's claim (`BEGIN IMMEDIATE`) waits for that lock, so
 ///   it sees the rows right after the commit, or finds nothing after a rollback and waits
 ///   again. A caller that keeps its transaction open longer than the busy timeout after
 ///   enqueueing makes that claim fail with a transient `Busy` error; the relay logs it and
 ///   retries after its poll interval.
-/// - The free functions [`enqueue`](crate::enqueue) / [`enqueue_one`](crate::enqueue_one) know
-///   no store and signal nobody; neither do writes from another store handle or process. Relays
-///   find those rows at their next poll.
+/// - Writes from another store handle or process signal nobody: relays find those rows at their
+///   next poll.
+///
+/// # Schema
+///
+/// [`open`](SqliteStore::open) migrates the file (the embedded default);
+/// [`connect`](SqliteStore::connect) leaves it alone, and [`migrate`](SqliteStore::migrate) /
+/// [`check_schema`](SqliteStore::check_schema) do the rest explicitly — the same three steps
+/// `PgStore` has.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     pool: Arc<Pool>,
@@ -70,9 +78,15 @@ pub struct SqliteStore {
     wakeup: WakeupSender,
 }
 
+/// The inbox of a [`SqliteStore`]: the store itself (see [`SqliteStore::inbox`]). The name
+/// matches `outbox_store_postgres::PgInbox`, so a handler's port is implemented for
+/// `SqliteInbox` and `PgInbox`.
+pub type SqliteInbox = SqliteStore;
+
 impl SqliteStore {
     /// Open (creating if needed) the database of `config`, apply pending migrations, and use the
-    /// system clock.
+    /// system clock: [`connect`](SqliteStore::connect) followed by
+    /// [`migrate`](SqliteStore::migrate), the convenient default for an embedded database.
     ///
     /// # Errors
     /// [`ErrorKind::Config`] for invalid settings; [`ErrorKind::Corrupt`] for a file that is not
@@ -88,16 +102,91 @@ impl SqliteStore {
     /// # Errors
     /// As [`open`](SqliteStore::open).
     pub async fn open_with_clock(config: SqliteConfig, clock: SharedClock) -> Result<Self> {
+        let store = Self::connect_with_clock(config, clock).await?;
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Open (creating if needed) the database of `config` **without** touching its schema, with
+    /// the system clock — the same step as `PgStore::connect`. Run
+    /// [`migrate`](SqliteStore::migrate) (for example from a deploy step) or check with
+    /// [`check_schema`](SqliteStore::check_schema) before use.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] for invalid settings; [`ErrorKind::Corrupt`] for a file that is not
+    /// a database; other SQLite errors, converted.
+    pub async fn connect(config: SqliteConfig) -> Result<Self> {
+        Self::connect_with_clock(config, Arc::new(SystemClock)).await
+    }
+
+    /// [`connect`](SqliteStore::connect) with an injected clock.
+    ///
+    /// # Errors
+    /// As [`connect`](SqliteStore::connect).
+    pub async fn connect_with_clock(config: SqliteConfig, clock: SharedClock) -> Result<Self> {
         config.validate()?;
-        let migrate_clock = Arc::clone(&clock);
         let (config, conn) = blocking(move || {
-            let mut conn = config.open_connection()?;
-            schema::migrate(&mut conn, migrate_clock.now())?;
+            let conn = config.open_connection()?;
             Ok((config, conn))
         })
         .await?;
         tracing::debug!(target: "outbox.sqlite", path = %config.path.display(), "opened");
         Ok(Self { pool: Pool::new(config, conn), clock, wakeup: WakeupSender::new() })
+    }
+
+    /// Apply this crate's migrations up to [`SCHEMA_VERSION`](crate::SCHEMA_VERSION); returns the
+    /// version now in place.
+    ///
+    /// Idempotent and safe from several processes at once: each migration runs in the
+    /// `BEGIN IMMEDIATE` transaction that records its version. [`open`](SqliteStore::open)
+    /// calls it; call it yourself after [`connect`](SqliteStore::connect).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Corrupt`] when the file's schema is newer than this code; other SQLite
+    /// errors, converted.
+    pub async fn migrate(&self) -> Result<i64> {
+        let clock = Arc::clone(&self.clock);
+        self.pool.run(move |conn| schema::migrate(conn, clock.now())).await?;
+        Ok(schema::SCHEMA_VERSION)
+    }
+
+    /// Check that the schema is at the version this code knows, without changing it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] when the tables are missing or older, naming the fix
+    /// ([`migrate`](SqliteStore::migrate), or `outbox migrate --store URL`);
+    /// [`ErrorKind::Corrupt`] when the file's schema is newer than this code.
+    pub async fn check_schema(&self) -> Result<()> {
+        let found = self.schema_version().await?;
+        let want = schema::SCHEMA_VERSION;
+        let path = self.path().display().to_string();
+        if found == want {
+            Ok(())
+        } else if found > want {
+            Err(Error::permanent(
+                ErrorKind::Corrupt,
+                BACKEND,
+                format!(
+                    "{path} is at outbox schema version {found}, newer than the {want} this code knows; upgrade it"
+                ),
+            ))
+        } else {
+            let found = if found == 0 { "none (no tables)".to_string() } else { found.to_string() };
+            Err(Error::config(
+                BACKEND,
+                format!(
+                    "{path} is at outbox schema version {found}, this code needs {want}: run \
+                     SqliteStore::migrate (or `outbox migrate --store URL`) first"
+                ),
+            ))
+        }
+    }
+
+    /// The inbox on the same database and clock, for a consumer: the store itself, since one
+    /// SQLite file holds both sides. The same call as `PgStore::inbox`, so code that picks a store
+    /// reads the same on both.
+    pub fn inbox(&self) -> SqliteInbox {
+        self.clone()
     }
 
     /// The database file.
@@ -126,8 +215,8 @@ impl SqliteStore {
     }
 
     /// Enqueue `events` in the caller's transaction `tx` with this store's clock and payload
-    /// limit, and wake this store's relays. Blocking. Same rules as the free function
-    /// [`enqueue`](crate::enqueue).
+    /// limit, and wake this store's relays. Blocking. The same as the free function
+    /// [`enqueue`](crate::enqueue)`(tx, self, events)`.
     ///
     /// The wake-up is sent when the rows are written, before `tx` commits; relays then wait for
     /// the commit (see [Waking relays](SqliteStore#waking-relays)).
@@ -153,15 +242,25 @@ impl SqliteStore {
             .ok_or_else(|| Error::permanent(ErrorKind::Rejected, BACKEND, "enqueue returned no row id"))
     }
 
-    /// The schema version recorded in the file.
+    /// The schema version recorded in the file (0 before the first migration).
     ///
     /// # Errors
     /// SQLite errors, converted.
     pub async fn schema_version(&self) -> Result<i64> {
         self.pool
             .run(|conn| {
-                conn.query_row("SELECT COALESCE(MAX(version), 0) FROM outbox_schema_version", [], |r| r.get(0))
-                    .ctx("read the schema version")
+                let what = "read the schema version";
+                let exists: bool = conn
+                    .query_row(
+                        "SELECT EXISTS (SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = 'outbox_schema_version')",
+                        [],
+                        |r| r.get(0),
+                    )
+                    .ctx(what)?;
+                if !exists {
+                    return Ok(0);
+                }
+                conn.query_row("SELECT COALESCE(MAX(version), 0) FROM outbox_schema_version", [], |r| r.get(0)).ctx(what)
             })
             .await
     }
@@ -521,6 +620,14 @@ impl OutboxStore for SqliteStore {
         .await
     }
 
+    /// In-process, shared by clones; see [Waking relays](SqliteStore#waking-relays).
+    fn wakeup(&self) -> Option<Wakeup> {
+        Some(self.wakeup.subscribe())
+    }
+}
+
+#[async_trait]
+impl OutboxAdmin for SqliteStore {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
         let limit = to_sql_limit(limit);
         self.pool
@@ -643,10 +750,5 @@ impl OutboxStore for SqliteStore {
                 Ok(rows.into_iter().map(|r| r.into_snapshot(now)).collect())
             })
             .await
-    }
-
-    /// In-process, shared by clones; see [Waking relays](SqliteStore#waking-relays).
-    fn wakeup(&self) -> Option<Wakeup> {
-        Some(self.wakeup.subscribe())
     }
 }

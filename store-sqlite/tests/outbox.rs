@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::{event, id};
 use outbox_core::store::all_rows;
-use outbox_core::{Clock, Completion, ErrorKind, Lease, OutboxStore, Outcome, RowStatus};
+use outbox_core::{Clock, Completion, ErrorKind, Lease, OutboxAdmin, OutboxStore, Outcome, RowStatus};
 use rusqlite::TransactionBehavior;
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -24,18 +24,17 @@ async fn enqueue_in_the_callers_transaction_commits_with_the_domain_row() {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).unwrap();
     tx.execute("INSERT INTO orders VALUES ('o-1', 42)", []).unwrap();
     let row = db.store.enqueue_one_in(&tx, &event("order-o-1", b"42")).unwrap();
-    let more = outbox_store_sqlite::enqueue(&tx, &[event("order-o-1-b", b"x"), event("order-o-1-c", b"y")]).unwrap();
+    let more = outbox_store_sqlite::enqueue(&tx, &db.store, &[event("order-o-1-b", b"x"), event("order-o-1-c", b"y")])
+        .unwrap();
     tx.commit().unwrap();
 
     assert_eq!(count(&conn, "orders"), 1);
     let rows = all_rows(&db.store).await.unwrap();
     assert_eq!(rows.iter().map(|r| r.row_id).collect::<Vec<_>>(), vec![row, more[0], more[1]]);
     assert_eq!(rows[0].event, event("order-o-1", b"42"));
-    assert_eq!(rows[0].created_at, db.clock.now(), "store method stamps with the store clock");
     assert_eq!((rows[0].status, rows[0].attempts, rows[0].token), (RowStatus::Pending, 0, 0));
-    // The free function uses the system clock.
-    let system_now = outbox_core::SystemClock.now();
-    assert!(system_now.since(rows[1].created_at) < Duration::from_secs(60), "{:?}", rows[1].created_at);
+    // The method and the free function both stamp with the store's clock (a ManualClock here).
+    assert!(rows.iter().all(|r| r.created_at == db.clock.now()), "{rows:?}");
 }
 
 #[tokio::test]
@@ -46,7 +45,7 @@ async fn enqueue_rolls_back_with_the_callers_transaction() {
     {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).unwrap();
         tx.execute("INSERT INTO orders VALUES ('o-1')", []).unwrap();
-        outbox_store_sqlite::enqueue_one(&tx, &event("order-o-1", b"42")).unwrap();
+        outbox_store_sqlite::enqueue_one(&tx, &db.store, &event("order-o-1", b"42")).unwrap();
         // dropped: rolled back
     }
     assert_eq!(count(&conn, "orders"), 0);
@@ -287,12 +286,15 @@ async fn oversized_payload_is_too_large_and_nothing_is_written() {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).unwrap();
     let err = db.store.enqueue_one_in(&tx, &event("big2", &[0; 17])).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::TooLarge);
+    // The free function takes the store, so it honours the configured limit too.
+    let err = outbox_store_sqlite::enqueue_one(&tx, &db.store, &event("big3", &[0; 17])).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
     // Headers have a limit of their own, whatever the payload limit: a 10 MB value is refused
     // by the store, by the free functions and at enqueue_in alike.
     let huge = event("big-headers", b"p").with_header("trace", vec![b'x'; 10 * 1024 * 1024]);
     for err in [
         db.store.enqueue_in(&tx, std::slice::from_ref(&huge)).unwrap_err(),
-        outbox_store_sqlite::enqueue_one(&tx, &huge).unwrap_err(),
+        outbox_store_sqlite::enqueue_one(&tx, &db.store, &huge).unwrap_err(),
     ] {
         assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
         assert!(err.is_permanent());

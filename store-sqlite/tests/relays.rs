@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::event;
 use outbox_core::memory::MemoryBroker;
 use outbox_core::store::all_rows;
-use outbox_core::{Broker, Completion, OutboxStore, Relay, RelayConfig, RowStatus};
+use outbox_core::{Broker, Completion, OutboxAdmin, OutboxStore, Relay, RelayConfig, RowStatus};
 
 const ROWS: usize = 2_000;
 
@@ -100,7 +100,7 @@ async fn four_core_relays_drain_into_the_memory_broker() {
     let store: Arc<dyn OutboxStore> = Arc::new(db.store.clone());
     let mut tasks = Vec::new();
     for i in 0..4 {
-        let config = RelayConfig { batch_size: 50, seed: Some(i), ..RelayConfig::new(format!("relay-{i}")) };
+        let config = RelayConfig::new(format!("relay-{i}")).with_batch_size(50).with_seed(Some(i));
         let relay = Relay::new(store.clone(), Arc::new(broker.clone()), config);
         tasks.push(tokio::spawn(async move { relay.drain().await.unwrap() }));
     }

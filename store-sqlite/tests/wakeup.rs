@@ -30,7 +30,7 @@ struct Running {
 async fn start(store: &SqliteStore) -> Running {
     let broker = MemoryBroker::new();
     let sub = broker.subscribe(&common::dest(), &ConsumerGroup::new("check").unwrap()).await.unwrap();
-    let config = RelayConfig { idle_poll: HOUR, seed: Some(3), ..RelayConfig::new("relay-wakeup") };
+    let config = RelayConfig::new("relay-wakeup").with_idle_poll(HOUR).with_seed(Some(3));
     let relay = Arc::new(Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config));
     let task = tokio::spawn({
         let relay = relay.clone();

@@ -7,9 +7,9 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 
 use super::{BACKEND, lock};
-use crate::broker::{Acknowledge, Broker, Delivery, Subscription};
+use crate::broker::{Acknowledge, Broker, Delivery, ForeignDelivery, Malformed, RawMessage, Received, Subscription};
 use crate::error::{Error, ErrorKind, Result};
-use crate::event::{ConsumerGroup, DEFAULT_MAX_PAYLOAD, Destination, Event};
+use crate::event::{ConsumerGroup, DEFAULT_MAX_PAYLOAD, Destination, Event, EventId, Headers};
 
 #[derive(Debug, Default)]
 struct Group {
@@ -23,9 +23,18 @@ struct Group {
     deliveries: HashMap<usize, u32>,
 }
 
+/// One message of a destination's log.
+#[derive(Debug, Clone)]
+enum Entry {
+    /// Published through [`Broker::publish`].
+    Event(Event),
+    /// Written by [`MemoryBroker::publish_raw`]: fields, as a Redis stream entry has them.
+    Raw(Vec<(Vec<u8>, Vec<u8>)>),
+}
+
 #[derive(Debug, Default)]
 struct Topic {
-    log: Vec<Event>,
+    log: Vec<Entry>,
     groups: BTreeMap<ConsumerGroup, Group>,
 }
 
@@ -76,9 +85,38 @@ impl MemoryBroker {
         self
     }
 
-    /// Everything ever published to `destination`, in order (the broker's durable contents).
+    /// Every event ever published to `destination`, in order (the broker's durable contents;
+    /// messages written by [`publish_raw`](Self::publish_raw) that are not readable events are
+    /// left out).
     pub fn log(&self, destination: &Destination) -> Vec<Event> {
-        lock(&self.shared.state).topics.get(destination).map(|t| t.log.clone()).unwrap_or_default()
+        lock(&self.shared.state)
+            .topics
+            .get(destination)
+            .map(|t| t.log.iter().enumerate().filter_map(|(offset, e)| decode(destination, offset, e).ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Append a message given as raw fields, bypassing [`Broker::publish`]: what another program
+    /// writing to the same destination would do. The memory broker's wire format is the one of
+    /// the Redis adapter: `v` = `1`, `id` = event id, `k` = key (optional), `h:<name>` = a
+    /// header, `p` = payload; fields may repeat. A message that does not follow it is received
+    /// as [`Received::Foreign`].
+    ///
+    /// # Errors
+    /// [`ErrorKind::Unroutable`] when `destination` was never declared.
+    pub fn publish_raw(&self, destination: &Destination, fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<()> {
+        let mut st = lock(&self.shared.state);
+        let Some(t) = st.topics.get_mut(destination) else {
+            return Err(Error::transient(
+                ErrorKind::Unroutable,
+                BACKEND,
+                format!("destination {destination} does not exist (declare it first)"),
+            ));
+        };
+        t.log.push(Entry::Raw(fields));
+        drop(st);
+        self.shared.notify.notify_waiters();
+        Ok(())
     }
 
     /// Messages of `destination` that `group` has not acknowledged yet (never delivered, returned,
@@ -112,6 +150,16 @@ impl Broker for MemoryBroker {
         BACKEND
     }
 
+    fn capabilities(&self) -> crate::Capabilities {
+        // Unroutable when no group is declared; a per-group delivery count; nack requeues.
+        crate::Capabilities::none()
+            .with_detects_unroutable(true)
+            .with_delivery_count(true)
+            .with_redelivery_flag(true)
+            .with_nack_redelivers(true)
+            .with_max_payload(Some(self.max_payload))
+    }
+
     async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
         let mut st = lock(&self.shared.state);
         let t = st.topics.entry(destination.clone()).or_default();
@@ -131,7 +179,7 @@ impl Broker for MemoryBroker {
                 format!("destination {} does not exist (declare it first)", event.destination),
             ));
         };
-        t.log.push(event.clone());
+        t.log.push(Entry::Event(event.clone()));
         drop(st);
         self.shared.notify.notify_waiters();
         Ok(())
@@ -160,7 +208,7 @@ pub struct MemorySubscription {
 }
 
 impl MemorySubscription {
-    fn try_next(&self) -> Option<Delivery> {
+    fn try_next(&self) -> Option<Received> {
         let mut st = lock(&self.broker.shared.state);
         let t = st.topics.get_mut(&self.destination)?;
         let g = t.groups.get_mut(&self.group)?;
@@ -176,25 +224,94 @@ impl MemorySubscription {
         let count = g.deliveries.entry(offset).or_insert(0);
         *count += 1;
         let attempt = *count;
-        let event = t.log[offset].clone();
-        Some(Delivery::new(
-            event,
-            attempt > 1,
-            Some(attempt),
-            Box::new(MemoryAck {
-                broker: self.broker.clone(),
-                destination: self.destination.clone(),
-                group: self.group.clone(),
-                offset,
-                sub: self.id,
-            }),
-        ))
+        let entry = t.log[offset].clone();
+        drop(st);
+        let ack = Box::new(MemoryAck {
+            broker: self.broker.clone(),
+            destination: self.destination.clone(),
+            group: self.group.clone(),
+            offset,
+            sub: self.id,
+        });
+        Some(match decode(&self.destination, offset, &entry) {
+            Ok(event) => Received::Event(Delivery::new(event, attempt > 1, Some(attempt), ack)),
+            Err(foreign) => {
+                let (message, problem, detail) = *foreign;
+                Received::Foreign(ForeignDelivery::new(message, problem, detail, attempt > 1, ack))
+            }
+        })
+    }
+}
+
+/// The event of a log entry, or the raw message and what is wrong with it.
+fn decode(
+    destination: &Destination,
+    offset: usize,
+    entry: &Entry,
+) -> std::result::Result<Event, Box<(RawMessage, Malformed, String)>> {
+    let fields = match entry {
+        Entry::Event(e) => return Ok(e.clone()),
+        Entry::Raw(fields) => fields,
+    };
+    let mut raw = RawMessage {
+        backend: BACKEND,
+        destination: destination.clone(),
+        position: format!("{destination}@{offset}"),
+        event_id: None,
+        key: None,
+        headers: fields.iter().filter(|(f, _)| f != b"p").cloned().collect(),
+        payload: fields.iter().find(|(f, _)| f == b"p").map(|(_, v)| v.clone()).unwrap_or_default(),
+    };
+    let all = |name: &[u8]| fields.iter().filter(move |(f, _)| f == name).map(|(_, v)| v).collect::<Vec<_>>();
+    let ids = all(b"id");
+    let id = match ids.as_slice() {
+        [id] => std::str::from_utf8(id).ok().and_then(|t| EventId::new(t).ok()),
+        _ => None,
+    };
+    raw.event_id = id.clone();
+    let fail = |raw: RawMessage, p: Malformed, d: String| Err(Box::new((raw, p, d)));
+    if all(b"v") != [b"1"] {
+        return fail(raw, Malformed::UnknownFormat, "format field v is not exactly one \"1\"".into());
+    }
+    match ids.len() {
+        0 => return fail(raw, Malformed::NoEventId, "no id field".into()),
+        1 => {}
+        n => return fail(raw, Malformed::DuplicateHeader, format!("the id field appears {n} times")),
+    }
+    let Some(id) = id else {
+        return fail(
+            raw,
+            Malformed::BadEventId,
+            format!("id {:?} is not a valid event id", String::from_utf8_lossy(ids[0])),
+        );
+    };
+    let mut headers = Headers::new();
+    let mut key = None;
+    for (field, value) in fields {
+        if field == b"k" {
+            match String::from_utf8(value.clone()) {
+                Ok(k) => key = Some(k),
+                Err(_) => return fail(raw, Malformed::BadKey, "key is not UTF-8".into()),
+            }
+        } else if let Some(name) = field.strip_prefix(b"h:") {
+            let Ok(name) = String::from_utf8(name.to_vec()) else {
+                return fail(raw, Malformed::BadHeaderName, "a header name is not UTF-8".into());
+            };
+            if headers.insert(name.clone(), value.clone()).is_some() {
+                return fail(raw, Malformed::DuplicateHeader, format!("header {name:?} appears more than once"));
+            }
+        }
+    }
+    let event = Event { id, destination: destination.clone(), key, headers, payload: raw.payload.clone() };
+    match Malformed::of_event(&event) {
+        None => Ok(event),
+        Some((p, d)) => fail(raw, p, d),
     }
 }
 
 #[async_trait]
 impl Subscription for MemorySubscription {
-    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
         if wait.is_zero() {
             return Ok(self.try_next());
         }

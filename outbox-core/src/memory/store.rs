@@ -9,8 +9,8 @@ use crate::clock::{SharedClock, SystemClock, Timestamp};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::{DEFAULT_MAX_PAYLOAD, Event, EventId};
 use crate::store::{
-    Claimed, Completion, Lease, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId, RowSnapshot,
-    RowStatus,
+    Claimed, Completion, Lease, OutboxAdmin, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId,
+    RowSnapshot, RowStatus,
 };
 use crate::wakeup::{Wakeup, WakeupSender};
 
@@ -239,6 +239,13 @@ impl OutboxStore for MemoryOutbox {
             .unwrap_or(Outcome::Fenced))
     }
 
+    fn wakeup(&self) -> Option<Wakeup> {
+        Some(self.wakeup.subscribe())
+    }
+}
+
+#[async_trait]
+impl OutboxAdmin for MemoryOutbox {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
         let st = lock(&self.state);
         Ok(st
@@ -325,9 +332,5 @@ impl OutboxStore for MemoryOutbox {
                 last_error: r.last_error.clone(),
             })
             .collect())
-    }
-
-    fn wakeup(&self) -> Option<Wakeup> {
-        Some(self.wakeup.subscribe())
     }
 }

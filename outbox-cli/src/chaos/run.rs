@@ -1,0 +1,670 @@
+//! One combination run: servers and proxies up, producers, relay and consumer processes, the
+//! fault schedule and the bad inputs under load; then faults stop, everything drains, the audit
+//! group counts what the broker offered, and the checker reads durable state.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox::core::DeadLetterReason;
+use outbox::core::rng::SplitMix64;
+use outbox::{Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, Result};
+use tokio::task::JoinSet;
+
+use super::env::Env;
+use super::procs::{Fleet, Kind};
+use super::report::{self, BadInput, ComboReport, Durable, FaultRecord, ProducerStats, WindowStat};
+use super::schedule::{self, Bad, Family, Fault, Schedule};
+use super::site::{CONSUMER, Site, now_ms};
+use super::{Combo, Settings};
+
+/// Events per producer transaction.
+const BATCH: usize = 10;
+/// Producer tasks.
+const PRODUCERS: u32 = 2;
+/// Keys the events are spread over.
+const KEYS: u64 = 300;
+/// Bound on one producer commit (a black-holed connection answers nothing).
+const COMMIT_TIMEOUT: Duration = Duration::from_secs(15);
+/// Bound on one read of the checker or the drain's polls.
+const READ_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a scheduled kill waits for a process of its kind to be running.
+const KILL_PATIENCE: Duration = Duration::from_secs(15);
+/// How much longer the drain waits for the poison event's and the foreign message's dead
+/// letters once everything else has drained.
+const BAD_INPUT_GRACE: Duration = Duration::from_secs(30);
+/// Size of the oversized header value.
+const OVERSIZED: usize = 10 * 1024 * 1024;
+
+/// Run one combination; errors end up in the report, never as a panic.
+pub(crate) async fn run_combo(combo: Combo, settings: &Settings, seed: u64) -> ComboReport {
+    let started = Instant::now();
+    let cseed = schedule::combo_seed(seed, combo.name);
+    let schedule = schedule::build(cseed, settings.window, combo.has_pg(), settings.relays, settings.consumers);
+    let mut report = ComboReport {
+        name: combo.name.to_string(),
+        seed: cseed,
+        schedule: schedule::digest(&schedule),
+        events: settings.events,
+        ..ComboReport::default()
+    };
+    println!(
+        "{}: schedule {} (combination seed {cseed}): {} faults, {} events over {:?}, {} relays, {} consumers",
+        combo.name,
+        report.schedule,
+        schedule.faults.len(),
+        settings.events,
+        settings.window,
+        settings.relays,
+        settings.consumers
+    );
+    let dir = match tempfile::Builder::new().prefix(&format!("outbox-chaos-{}-", combo.name)).tempdir() {
+        Ok(d) => d,
+        Err(e) => {
+            report.error = Some(format!("cannot create a temporary directory: {e}"));
+            return report;
+        }
+    };
+    if let Err(e) = play(combo, settings, &schedule, dir.path(), &mut report).await {
+        report.error = Some(e.to_string().replace(['\n', '\r'], " "));
+    }
+    report.duration = started.elapsed();
+    if settings.keep || !report.passed() {
+        let path = dir.keep();
+        report.logs = Some(path.display().to_string());
+    }
+    report
+}
+
+async fn play(
+    combo: Combo,
+    settings: &Settings,
+    schedule: &Schedule,
+    dir: &Path,
+    report: &mut ComboReport,
+) -> Result<()> {
+    let env = Arc::new(Env::start(combo, dir).await?);
+    let outcome = play_in(combo, settings, schedule, dir, report, &env).await;
+    env.cleanup().await;
+    outcome
+}
+
+async fn play_in(
+    combo: Combo,
+    settings: &Settings,
+    schedule: &Schedule,
+    dir: &Path,
+    report: &mut ComboReport,
+    env: &Arc<Env>,
+) -> Result<()> {
+    let site = Site::open(&env.store_url).await?;
+    site.prepare().await?;
+
+    let run_id = format!("{:08x}", SplitMix64::new(now_ms() as u64 ^ u64::from(std::process::id())).next_u64() as u32);
+    let destination = Destination::new(format!("chaos-{run_id}"))?;
+    let group = ConsumerGroup::new(format!("chaos-{run_id}"))?;
+    let audit = ConsumerGroup::new(format!("chaos-audit-{run_id}"))?;
+    let broker = outbox::broker_from_url(&env.broker_url).await?;
+    // Both groups exist before the first publish: the audit group sees every offer.
+    broker.declare(&destination, &[group.clone(), audit.clone()]).await?;
+    env.register_destination(&destination, &[group.clone(), audit.clone()]);
+
+    let mut bad = BadInput {
+        poison_id: format!("poison-{run_id}"),
+        oversized_id: format!("oversized-{run_id}"),
+        malformed_supported: DeadLetterReason::parse("malformed").is_some(),
+        ..BadInput::default()
+    };
+    let s = |v: &str| v.to_string();
+    let lease = format!("{}ms", settings.lease.as_millis());
+    let relay_args = vec![
+        s("--store"),
+        env.store_url.clone(),
+        s("--broker"),
+        env.broker_url.clone(),
+        s("--lease"),
+        lease,
+        s("--batch"),
+        s("50"),
+        s("--idle-poll"),
+        s("200ms"),
+        s("--max-attempts"),
+        s("1000"),
+    ];
+    let consumer_args = vec![
+        s("--store"),
+        env.store_url.clone(),
+        s("--broker"),
+        env.consumer_broker_url.clone(),
+        s("--destination"),
+        destination.to_string(),
+        s("--group"),
+        group.to_string(),
+        s("--poison"),
+        bad.poison_id.clone(),
+    ];
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs)
+        .map_err(|e| Error::permanent(ErrorKind::Config, "chaos", format!("cannot create {}: {e}", logs.display())))?;
+    let fleet = Fleet::new(&logs, settings.relays, settings.consumers, relay_args, consumer_args)?;
+    fleet.tick()?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let supervisor = {
+        let (fleet, stop) = (fleet.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                fleet.tick()?;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Ok::<_, Error>(())
+        })
+    };
+
+    let start = Instant::now();
+    let log: Arc<Mutex<Vec<FaultRecord>>> = Arc::default();
+    let deadline = start + settings.window + settings.drain + Duration::from_secs(60);
+
+    let mut producers = JoinSet::new();
+    let per = settings.events / u64::from(PRODUCERS);
+    for p in 0..PRODUCERS {
+        let count = if p == 0 { settings.events - per * u64::from(PRODUCERS - 1) } else { per };
+        let job = Producer {
+            site: site.clone(),
+            index: p,
+            count,
+            destination: destination.clone(),
+            window: settings.window,
+            start,
+            seed: schedule.producer_seed ^ u64::from(p),
+            deadline,
+        };
+        producers.spawn(job.run());
+    }
+    let faults = tokio::spawn(execute_faults(schedule.faults.clone(), env.clone(), fleet.clone(), log.clone(), start));
+    let sampler = settings.stats_window.map(|w| tokio::spawn(sample(site.clone(), w, stop.clone())));
+
+    // Bad inputs, at their times, from here.
+    for (at, kind) in &schedule.bad {
+        tokio::time::sleep_until((start + *at).into()).await;
+        match kind {
+            Bad::Poison => {
+                let e =
+                    Event::new(EventId::new(bad.poison_id.clone())?, destination.clone(), "poison".as_bytes().to_vec())
+                        .with_key("poison");
+                commit_retrying(&site, 9, &[e], deadline, &mut ProducerStats::default()).await?;
+            }
+            Bad::Foreign => {
+                bad.foreign_written = retry(deadline, "the foreign message", || {
+                    super::inject::foreign(combo.broker, &env.broker_url, &destination)
+                })
+                .await
+                .is_ok()
+            }
+            Bad::Oversized => oversized(&site, &destination, &mut bad, deadline).await?,
+        }
+    }
+
+    let mut totals = ProducerStats::default();
+    while let Some(r) = producers.join_next().await {
+        let r = r.map_err(join_error)??;
+        totals.committed += r.committed;
+        totals.retries += r.retries;
+        totals.unknown_committed += r.unknown_committed;
+    }
+    report.producers = totals;
+    faults.await.map_err(join_error)??;
+    report.faults = log.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    println!(
+        "{}: workload done in {:.1?}: {} events committed ({} retries, {} commits of unknown outcome found committed), {} faults",
+        combo.name,
+        start.elapsed(),
+        totals.committed,
+        totals.retries,
+        totals.unknown_committed,
+        report.faults.len()
+    );
+
+    // Faults are over: every process up, then drain.
+    fleet.start_all_now();
+    let drain_deadline = Instant::now() + settings.drain;
+    let drained = drain(&site, &bad, drain_deadline).await;
+    stop.store(true, Ordering::SeqCst);
+    if let Some(s) = sampler {
+        report.windows = s.await.map_err(join_error)?;
+    }
+    supervisor.await.map_err(join_error)??;
+    report.fleet = fleet.stats();
+    let f2 = fleet.clone();
+    let killed = tokio::task::spawn_blocking(move || f2.stop(Duration::from_secs(15))).await.map_err(join_error)?;
+    if killed > 0 {
+        println!("{}: {killed} processes did not stop within 15s of SIGTERM and were killed", combo.name);
+    }
+    println!("{}: drain {} after {:.1?}", combo.name, if drained { "complete" } else { "INCOMPLETE" }, start.elapsed());
+
+    // Read durable state.
+    let rows = read(site.rows()).await?;
+    let published = rows.values().filter(|r| r.published_ms.is_some()).count() as u64;
+    let (offers, foreign) = audit_offers(broker.as_ref(), &destination, &audit, published, settings.drain).await?;
+    bad.foreign_offers = foreign;
+    let admin = site.inbox_admin();
+    let dead = read(admin.dead_letters(CONSUMER)).await?;
+    let dead_letters: Vec<(String, String, String)> =
+        dead.iter().map(|d| (d.event.id.to_string(), d.reason.as_str().to_string(), d.error.clone())).collect();
+    bad.poison_dead_letter =
+        dead_letters.iter().find(|(id, _, _)| *id == bad.poison_id).map(|(_, r, e)| (r.clone(), e.clone()));
+    bad.foreign_dead_letters = dead_letters.iter().filter(|(_, r, _)| r == "malformed").count() as u64;
+    bad.oversized_parked = rows.get(&bad.oversized_id).and_then(|r| r.parked.clone());
+    let durable = Durable {
+        orders: read(site.orders()).await?,
+        effects: read(site.effects()).await?,
+        markers: read(admin.markers(CONSUMER)).await?.len() as u64,
+        dead_letters,
+        offers,
+        rows,
+    };
+    let (figures, families, problems) =
+        report::judge(&durable, &report.faults, &schedule::plans(combo.has_pg()), &bad, drained);
+    report.figures = figures;
+    report.families = families;
+    report.problems = problems;
+    report.bad = bad;
+    site.close().await;
+    Ok(())
+}
+
+async fn read<T>(f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    tokio::time::timeout(READ_TIMEOUT, f).await.map_err(|_| {
+        Error::transient(
+            ErrorKind::Timeout,
+            "chaos",
+            format!("reading durable state took longer than {READ_TIMEOUT:?}"),
+        )
+    })?
+}
+
+fn join_error(e: tokio::task::JoinError) -> Error {
+    Error::permanent(ErrorKind::Rejected, "chaos", format!("a task failed: {e}"))
+}
+
+/// Retry `op` until it succeeds or `deadline` passes (faults may be in progress).
+async fn retry<F, Fut>(deadline: Instant, what: &str, mut op: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    loop {
+        let e = match tokio::time::timeout(COMMIT_TIMEOUT, op()).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {COMMIT_TIMEOUT:?}"),
+        };
+        if Instant::now() >= deadline {
+            return Err(Error::transient(ErrorKind::Timeout, "chaos", format!("{what}: gave up: {e}")));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producers.
+
+struct Producer {
+    site: Site,
+    index: u32,
+    count: u64,
+    destination: Destination,
+    window: Duration,
+    start: Instant,
+    seed: u64,
+    deadline: Instant,
+}
+
+impl Producer {
+    /// Commit `count` events with their orders, paced evenly over the window.
+    async fn run(self) -> Result<ProducerStats> {
+        let mut rng = SplitMix64::new(self.seed);
+        let mut stats = ProducerStats::default();
+        let batches = self.count.div_ceil(BATCH as u64).max(1);
+        let interval = self.window.mul_f64(0.95) / batches as u32;
+        let mut seq = 0u64;
+        for j in 0..batches {
+            tokio::time::sleep_until((self.start + interval * j as u32).into()).await;
+            let n = (self.count - seq).min(BATCH as u64);
+            let mut events = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                let id = format!("ev-{}-{seq:06}", self.index);
+                let mut payload = format!("order {id} ").into_bytes();
+                payload.extend((0..32).map(|_| rng.below(256) as u8));
+                events.push(
+                    Event::new(EventId::new(id)?, self.destination.clone(), payload)
+                        .with_key(format!("k{:03}", rng.below(KEYS)))
+                        .with_header("producer", self.index.to_string().into_bytes()),
+                );
+                seq += 1;
+            }
+            commit_retrying(&self.site, self.index, &events, self.deadline, &mut stats).await?;
+            stats.committed += n;
+        }
+        Ok(stats)
+    }
+}
+
+/// Commit `events` with their orders, retrying with the same ids. After an error or a timeout
+/// the outcome is looked up by id: one transaction commits all of them or none.
+async fn commit_retrying(
+    site: &Site,
+    producer: u32,
+    events: &[Event],
+    deadline: Instant,
+    stats: &mut ProducerStats,
+) -> Result<()> {
+    let ids: Vec<String> = events.iter().map(|e| e.id.to_string()).collect();
+    let mut attempt = 0u32;
+    loop {
+        let error = match tokio::time::timeout(COMMIT_TIMEOUT, site.commit(producer, events)).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) if matches!(e.kind(), ErrorKind::InvalidInput | ErrorKind::TooLarge) => return Err(e),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {COMMIT_TIMEOUT:?}"),
+        };
+        attempt += 1;
+        stats.retries += 1;
+        // Did it commit after all?
+        loop {
+            if Instant::now() >= deadline {
+                return Err(Error::transient(
+                    ErrorKind::Timeout,
+                    "chaos",
+                    format!("producer {producer} could not commit {} within the run's deadline: {error}", ids[0]),
+                ));
+            }
+            match tokio::time::timeout(READ_TIMEOUT, site.committed(&ids)).await {
+                Ok(Ok(n)) if n == ids.len() => {
+                    stats.unknown_committed += 1;
+                    return Ok(());
+                }
+                Ok(Ok(0)) => break,
+                Ok(Ok(n)) => {
+                    return Err(Error::permanent(
+                        ErrorKind::Corrupt,
+                        "chaos",
+                        format!("{n} of {} events of one transaction are committed", ids.len()),
+                    ));
+                }
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt.min(20)))).await;
+    }
+}
+
+/// The 10 MB header: enqueue must refuse it and commit nothing; then the same row goes in with
+/// plain SQL, for the relay to park.
+async fn oversized(site: &Site, destination: &Destination, bad: &mut BadInput, deadline: Instant) -> Result<()> {
+    let event = Event::new(EventId::new(bad.oversized_id.clone())?, destination.clone(), b"oversized".to_vec())
+        .with_key("oversized")
+        .with_header("blob", vec![b'x'; OVERSIZED]);
+    let mut stats = ProducerStats::default();
+    match commit_retrying(site, 8, std::slice::from_ref(&event), deadline, &mut stats).await {
+        Ok(()) => bad.oversized_refused = None,
+        Err(e) => bad.oversized_refused = Some((format!("{:?}", e.kind()), e.to_string())),
+    }
+    let ids = [bad.oversized_id.clone()];
+    let committed = loop {
+        match tokio::time::timeout(READ_TIMEOUT, site.committed(&ids)).await {
+            Ok(Ok(n)) => break n,
+            _ if Instant::now() >= deadline => break 0,
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+    bad.oversized_committed_by_enqueue = committed > 0;
+    if committed > 0 {
+        return Ok(());
+    }
+    // Retried until it is in (an unknown outcome is looked up, as for the producers).
+    loop {
+        match tokio::time::timeout(COMMIT_TIMEOUT, site.insert_unchecked(&event)).await {
+            Ok(Ok(())) => {
+                bad.oversized_inserted = true;
+                return Ok(());
+            }
+            _ if Instant::now() >= deadline => return Ok(()),
+            _ => {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                if let Ok(Ok(1)) = tokio::time::timeout(READ_TIMEOUT, site.committed(&ids)).await {
+                    bad.oversized_inserted = true;
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Faults.
+
+async fn execute_faults(
+    faults: Vec<Fault>,
+    env: Arc<Env>,
+    fleet: Fleet,
+    log: Arc<Mutex<Vec<FaultRecord>>>,
+    start: Instant,
+) -> Result<()> {
+    let record = |log: &Arc<Mutex<Vec<FaultRecord>>>, family, at_ms, offset, target: String, detail: String| {
+        log.lock().unwrap_or_else(|p| p.into_inner()).push(FaultRecord { family, at_ms, offset, target, detail });
+    };
+    let mut restarts = JoinSet::new();
+    let mut longest_hold = Duration::ZERO;
+    for f in faults {
+        tokio::time::sleep_until((start + f.at).into()).await;
+        let (at_ms, offset) = (now_ms(), start.elapsed());
+        match f.family {
+            Family::RelayKill | Family::ConsumerKill => {
+                let kind = if f.family == Family::RelayKill { Kind::Relay } else { Kind::Consumer };
+                let (fleet, log) = (fleet.clone(), log.clone());
+                // When none of that kind runs right now (all restarting, or exited while a server
+                // was down), the kill waits for one to be back: the family's count must be met.
+                restarts.spawn(async move {
+                    let give_up = Instant::now() + KILL_PATIENCE;
+                    loop {
+                        let (at_ms, offset) = (now_ms(), start.elapsed());
+                        if let Some(who) = fleet.kill(kind, f.index, f.hold) {
+                            record(
+                                &log,
+                                f.family,
+                                at_ms,
+                                offset,
+                                who,
+                                format!("SIGKILL, restarted after {:?}", f.hold),
+                            );
+                            return Ok(());
+                        }
+                        if Instant::now() >= give_up {
+                            eprintln!(
+                                "outbox chaos: no {} process was running for {KILL_PATIENCE:?}; one {} skipped",
+                                f.family, f.family
+                            );
+                            return Ok(());
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                });
+            }
+            Family::BrokerRestart | Family::PgRestart => {
+                let (env, log) = (env.clone(), log.clone());
+                restarts.spawn(async move {
+                    let pg = f.family == Family::PgRestart;
+                    let _one_at_a_time = if pg { env.pg_lock.lock().await } else { env.broker_lock.lock().await };
+                    let (at_ms, offset) = (now_ms(), start.elapsed());
+                    let (name, down) = if pg { env.restart_pg().await? } else { env.restart_broker().await? };
+                    record(&log, f.family, at_ms, offset, name, format!("down {down:.1?}"));
+                    Ok::<_, Error>(())
+                });
+            }
+            Family::ProxyCut | Family::ProxyStall | Family::ProxyBlackhole => {
+                let Some(proxy) = env.proxy(f.proxy) else { continue };
+                let detail = match f.family {
+                    Family::ProxyCut => format!("{} connections closed", proxy.cut()),
+                    Family::ProxyStall => {
+                        proxy.stall(f.hold);
+                        format!("stalled {:?}", f.hold)
+                    }
+                    _ => {
+                        proxy.blackhole(f.hold);
+                        format!("black hole {:?}", f.hold)
+                    }
+                };
+                longest_hold = longest_hold.max(f.hold);
+                record(&log, f.family, at_ms, offset, format!("proxy {}", proxy.name()), detail);
+            }
+        }
+    }
+    while let Some(r) = restarts.join_next().await {
+        r.map_err(join_error)??;
+    }
+    // Let the last stall or black hole end by itself before the drain starts.
+    tokio::time::sleep(longest_hold.min(Duration::from_secs(5))).await;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drain and audit.
+
+/// Wait until no row is pending or leased and every row that is neither parked nor
+/// dead-lettered has its effect, and (for at most [`BAD_INPUT_GRACE`] more) until the poison
+/// event and the foreign message have their dead letters. `false` at the deadline.
+async fn drain(site: &Site, bad: &BadInput, deadline: Instant) -> bool {
+    let admin = site.inbox_admin();
+    let mut last: String;
+    let mut bad_deadline: Option<Instant> = None;
+    loop {
+        let check = async {
+            let rows = site.rows().await?;
+            let open = rows.values().filter(|r| r.published_ms.is_none() && r.parked.is_none()).count();
+            let dead = admin.dead_letters(CONSUMER).await?;
+            let effected = site.effected().await?;
+            let dead_ids: std::collections::BTreeSet<String> = dead.iter().map(|d| d.event.id.to_string()).collect();
+            let parked = rows.values().filter(|r| r.parked.is_some()).count() as u64;
+            let dead_rows = rows.keys().filter(|id| dead_ids.contains(*id)).count() as u64;
+            let expected = (rows.len() as u64).saturating_sub(parked + dead_rows);
+            let poison_done = dead_ids.contains(&bad.poison_id);
+            let foreign_done = !bad.malformed_supported
+                || !bad.foreign_written
+                || dead.iter().any(|d| d.reason.as_str() == "malformed");
+            let flowing = open == 0 && effected >= expected;
+            // The bad inputs get a little longer once the rest has drained; the judge names
+            // whatever is still missing then.
+            let done = flowing
+                && (poison_done && foreign_done
+                    || Instant::now() >= *bad_deadline.get_or_insert(Instant::now() + BAD_INPUT_GRACE));
+            let state = format!(
+                "{open} rows neither published nor parked, {effected}/{expected} effected, poison dead-lettered: {poison_done}, foreign recorded: {foreign_done}"
+            );
+            Ok::<_, Error>((done, flowing, state))
+        };
+        match tokio::time::timeout(READ_TIMEOUT, check).await {
+            Ok(Ok((true, _, _))) => return true,
+            Ok(Ok((false, flowing, state))) => {
+                if !flowing {
+                    bad_deadline = None;
+                }
+                last = state;
+            }
+            Ok(Err(e)) => last = format!("reading failed: {e}"),
+            Err(_) => last = "reading timed out".into(),
+        }
+        if Instant::now() >= deadline {
+            eprintln!("outbox chaos: the drain did not finish: {last}");
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Read the destination through the audit group, which was declared before the first publish
+/// and never consumed: offers per event id, and how many foreign messages it met. Complete once
+/// every published row was seen and nothing more arrives for a moment.
+async fn audit_offers(
+    broker: &dyn Broker,
+    destination: &Destination,
+    group: &ConsumerGroup,
+    published: u64,
+    limit: Duration,
+) -> Result<(BTreeMap<String, u64>, u64)> {
+    let deadline = Instant::now() + limit;
+    let mut subscription = loop {
+        match tokio::time::timeout(READ_TIMEOUT, broker.subscribe(destination, group)).await {
+            Ok(Ok(s)) => break s,
+            _ if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(300)).await,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(Error::transient(ErrorKind::Timeout, "chaos", "subscribing the audit group timed out"));
+            }
+        }
+    };
+    let mut offers: BTreeMap<String, u64> = BTreeMap::new();
+    let mut foreign = 0;
+    loop {
+        let caught_up = offers.len() as u64 >= published;
+        if Instant::now() >= deadline {
+            eprintln!("outbox chaos: the audit group read {} distinct events of {published} published", offers.len());
+            return Ok((offers, foreign));
+        }
+        let wait = if caught_up { Duration::from_millis(1500) } else { Duration::from_millis(500) };
+        match tokio::time::timeout(READ_TIMEOUT, subscription.next(wait)).await {
+            Ok(Ok(Some(d))) => {
+                *offers.entry(d.event.id.to_string()).or_default() += 1;
+                let _ = d.ack().await;
+            }
+            Ok(Ok(None)) if caught_up => return Ok((offers, foreign)),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) if e.kind() == ErrorKind::Corrupt => foreign += 1,
+            Ok(Err(_)) | Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long profile: table sizes and throughput per window.
+
+async fn sample(site: Site, length: Duration, stop: Arc<AtomicBool>) -> Vec<WindowStat> {
+    let mut out = Vec::new();
+    let mut prev = tokio::time::timeout(READ_TIMEOUT, site.sizes()).await.ok().and_then(|r| r.ok()).unwrap_or_default();
+    let mut began = Instant::now();
+    loop {
+        let end = began + length;
+        while Instant::now() < end && !stop.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(200).min(end.saturating_duration_since(Instant::now()))).await;
+        }
+        let stopping = stop.load(Ordering::SeqCst);
+        let elapsed = began.elapsed();
+        // A last partial window counts only when it is a sizeable part of one.
+        if stopping && elapsed < length / 2 {
+            return out;
+        }
+        let Some(now) = tokio::time::timeout(READ_TIMEOUT, site.sizes()).await.ok().and_then(|r| r.ok()) else {
+            if stopping {
+                return out;
+            }
+            continue;
+        };
+        out.push(WindowStat {
+            index: out.len() as u32,
+            length: elapsed,
+            committed: now.outbox_rows.saturating_sub(prev.outbox_rows),
+            published: now.published.saturating_sub(prev.published),
+            effects: now.effects.saturating_sub(prev.effects),
+            outbox_rows: now.outbox_rows,
+            markers: now.markers,
+            bytes: now.bytes,
+        });
+        prev = now;
+        began = Instant::now();
+        if stopping {
+            return out;
+        }
+    }
+}

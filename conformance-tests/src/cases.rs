@@ -418,6 +418,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "foreign_message_redelivered_is_recorded_once",
+            class: "Subscription::receive / Consumer::process_foreign",
+            property: "a foreign message recorded and then redelivered (the acknowledgement was lost) is \
+                       acknowledged without a second dead letter",
+            needs: &[Capability::ForeignMessages],
+            body: Function,
+        },
+        Case {
             name: "permutations",
             class: "permutations",
             property: "interleavings with crashes, expiries and lost acks: no lost, duplicated, ghost or stale",
@@ -616,6 +624,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "foreign_message_is_handed_out_not_an_error" => foreign_messages_mixed(harness, engines).await,
             "foreign_message_is_unacknowledged_until_settled" => {
                 foreign_message_unacknowledged_until_recorded(harness, engines).await
+            }
+            "foreign_message_redelivered_is_recorded_once" => {
+                foreign_message_redelivered_recorded_once(harness, engines).await
             }
             "permutations" => crate::explore::permutations_case(harness).await,
             other => Err(outbox_core::Error::invalid_input("suite", format!("unknown case {other}"))),
@@ -1986,6 +1997,77 @@ async fn foreign_message_unacknowledged_until_recorded<H: Harness>(
     );
     ensure!(CASE, n == 1, "{n} dead letters for the {kind} message after the redelivery");
     Ok(CaseResult::Passed(format!("{kind}: commit failed, not acknowledged; redelivery: {again:?}")))
+}
+
+/// An acknowledger that does nothing: the acknowledgement "got lost" on its way to the broker.
+struct LostAck;
+
+#[async_trait]
+impl Acknowledge for LostAck {
+    async fn ack(self: Box<Self>) -> outbox_core::Result<()> {
+        Ok(())
+    }
+    async fn nack(self: Box<Self>) -> outbox_core::Result<()> {
+        Ok(())
+    }
+}
+
+async fn foreign_message_redelivered_recorded_once<H: Harness>(
+    h: &H,
+    engines: &Engines,
+) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "foreign_message_redelivered_is_recorded_once";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let Some(writer) = fx.foreign.clone() else {
+        return Ok(CaseResult::fail(CASE, "", "the harness declares foreign-messages but its fixture has no writer"));
+    };
+    let tag = crate::world::unique_tag();
+    let payload = foreign_payload(&tag, 0);
+    let mut kind = None;
+    for k in ForeignKind::ALL {
+        if writer.write(&fx.destination, k, &format!("{CASE}.{tag}"), &payload).await? == Foreign::Written {
+            kind = Some(k);
+            break;
+        }
+    }
+    let Some(kind) = kind else { return Ok(CaseResult::fail(CASE, "", "the harness could write no foreign message")) };
+    let keeps = |letters: &[DeadLetter]| letters.iter().filter(|d| d.event.payload == payload).count();
+    let consumer = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let deadline = Instant::now() + wait.max(Duration::from_millis(200)) * 3;
+    let received = loop {
+        if let Some(r) = receive_bounded(sub.as_mut(), wait.max(Duration::from_millis(10))).await? {
+            break r;
+        }
+        if Instant::now() >= deadline {
+            return Ok(CaseResult::fail(CASE, "", format!("the {kind} message was not received")));
+        }
+    };
+    let outbox_core::Received::Foreign(original) = received else {
+        return Ok(CaseResult::fail(CASE, "", format!("the {kind} message was received as {received:?}")));
+    };
+    // The consumer records the message and acknowledges; the acknowledgement never reaches the
+    // broker (the original delivery stays unacknowledged and comes back).
+    let lost = outbox_core::ForeignDelivery::new(
+        original.message.clone(),
+        original.problem,
+        original.detail.clone(),
+        original.redelivered,
+        Box::new(LostAck),
+    );
+    let first = engines.handle(&consumer, outbox_core::Received::Foreign(lost)).await?;
+    ensure!(CASE, keeps(&fx.inbox.dead_letters(CONSUMER).await?) == 1, "the first delivery was not recorded ({first:?})");
+    drop(original);
+    drop(sub); // the consumer goes away: its unacknowledged delivery comes back
+    let broker = (fx.restart_broker)();
+    let fresh = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
+    let mut sub = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let (again, _) = drain_received(engines, &fresh, sub.as_mut(), wait, MAX_DELIVERIES).await?;
+    drop(sub);
+    ensure!(CASE, !again.is_empty(), "the unacknowledged {kind} message never came back");
+    let n = keeps(&fx.inbox.dead_letters(CONSUMER).await?);
+    ensure!(CASE, n == 1, "{n} dead letters for one {kind} message after its redelivery ({again:?})");
+    Ok(CaseResult::Passed(format!("{kind}: recorded once; redelivery: {again:?}")))
 }
 
 /// Replay a path printed by a counterexample on `harness`.

@@ -60,6 +60,8 @@ pub(crate) enum ConsumerRuntime {
     DropsForeign,
     /// Wrong on purpose: acknowledges a foreign message, then records it.
     AckForeignThenRecord,
+    /// Wrong on purpose: records a foreign message on every delivery (no inbox marker).
+    RecordsForeignEachDelivery,
 }
 
 /// The relay and consumer runtime the cases run. [`Engines::default`] is the reference pair.
@@ -134,7 +136,9 @@ impl Engines {
         match self.consumer {
             ConsumerRuntime::Reference => consumer.process(delivery).await,
             ConsumerRuntime::AckThenCommit => crate::mutants::ack_then_commit(consumer, delivery).await,
-            ConsumerRuntime::DropsForeign | ConsumerRuntime::AckForeignThenRecord => consumer.process(delivery).await,
+            ConsumerRuntime::DropsForeign
+            | ConsumerRuntime::AckForeignThenRecord
+            | ConsumerRuntime::RecordsForeignEachDelivery => consumer.process(delivery).await,
         }
     }
 
@@ -153,6 +157,9 @@ impl Engines {
             (ConsumerRuntime::DropsForeign, Received::Foreign(f)) => crate::mutants::drop_foreign(f).await,
             (ConsumerRuntime::AckForeignThenRecord, Received::Foreign(f)) => {
                 crate::mutants::ack_foreign_then_record(consumer, f).await
+            }
+            (ConsumerRuntime::RecordsForeignEachDelivery, Received::Foreign(f)) => {
+                crate::mutants::record_foreign_each_delivery(consumer, f).await
             }
             (_, Received::Foreign(f)) => consumer.process_foreign(f).await,
         }

@@ -71,11 +71,13 @@ pub enum Mutant {
     DropsForeign,
     /// A consumer runtime that acknowledges a foreign message before its dead letter commits.
     AckForeignBeforeRecord,
+    /// A consumer runtime that records a foreign message on every delivery (no inbox marker).
+    RecordsForeignEachDelivery,
 }
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 17] = [
+    pub const ALL: [Mutant; 18] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -93,6 +95,7 @@ impl Mutant {
         Mutant::AckThenCommit,
         Mutant::DropsForeign,
         Mutant::AckForeignBeforeRecord,
+        Mutant::RecordsForeignEachDelivery,
     ];
 
     /// The relay and consumer runtime to run the suite with: wrong ones for the relay and
@@ -119,6 +122,8 @@ impl Mutant {
             }
             Self::AckForeignBeforeRecord => Engines::default()
                 .with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckForeignThenRecord),
+            Self::RecordsForeignEachDelivery => Engines::default()
+                .with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::RecordsForeignEachDelivery),
             _ => Engines::default(),
         }
     }
@@ -144,6 +149,7 @@ impl fmt::Display for Mutant {
             Self::AckThenCommit => "ack inside commit, before the inbox commit",
             Self::DropsForeign => "foreign messages acknowledged without a dead letter",
             Self::AckForeignBeforeRecord => "foreign messages acknowledged before their dead letter commits",
+            Self::RecordsForeignEachDelivery => "foreign messages recorded again on every redelivery",
         })
     }
 }
@@ -800,6 +806,34 @@ pub(crate) async fn drop_foreign(foreign: ForeignDelivery) -> Result<Handled> {
     let problem = foreign.problem;
     foreign.ack().await?;
     Ok(Handled::Malformed { problem })
+}
+
+/// [`Mutant::RecordsForeignEachDelivery`]: write the dead letter without the inbox marker that
+/// recognises a redelivery, commit, acknowledge.
+pub(crate) async fn record_foreign_each_delivery<I: Inbox, H: Handler<I>>(
+    consumer: &Consumer<I, H>,
+    foreign: ForeignDelivery,
+) -> Result<Handled> {
+    let (problem, error) = (foreign.problem, foreign.describe());
+    let (event, _) = foreign.message.to_event();
+    let record = DeadLetter::new(consumer.config().name.clone(), event, DeadLetterReason::Malformed, error);
+    let inbox = consumer.inbox();
+    let written = async {
+        let mut tx = inbox.begin().await?;
+        inbox.dead_letter(&mut tx, &record).await?;
+        inbox.commit(tx).await
+    }
+    .await;
+    match written {
+        Ok(()) => {
+            foreign.ack().await?;
+            Ok(Handled::Malformed { problem })
+        }
+        Err(e) => {
+            foreign.nack().await?;
+            Ok(Handled::Retry { attempts: 0, error: e.to_string() })
+        }
+    }
 }
 
 /// [`Mutant::AckForeignBeforeRecord`]: acknowledge, then write the dead letter.

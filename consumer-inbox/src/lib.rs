@@ -6,4 +6,4 @@ pub mod runtime;
 
 pub use effect::{EffectKind, Handler};
 pub use retention::Retention;
-pub use runtime::{Consumer, ConsumerConfig, Handled, InFlight};
+pub use runtime::{Consumer, ConsumerConfig, Handled, InFlight, foreign_marker};

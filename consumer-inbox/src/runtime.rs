@@ -20,7 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::{
-    Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, ErrorKind, Event, ForeignDelivery, Inbox, LedgerState,
+    Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, ErrorKind, Event, EventId, Fingerprint, ForeignDelivery,
+    Inbox, LedgerState,
     Malformed, MarkOutcome, Received, Result, Subscription, VersionOutcome,
 };
 use tracing::{debug, warn};
@@ -202,6 +203,13 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
     /// them, an id from the message or its broker position, the problem and position in the
     /// error text) in a transaction of its own, committed, and only then the acknowledgement.
     ///
+    /// The same transaction writes an inbox marker keyed by a digest of the message's content
+    /// (`malformed:sha256-…`, see [`foreign_marker`]): a redelivery of a message already recorded
+    /// (a crash between the commit and the acknowledgement) is acknowledged as
+    /// [`Handled::Duplicate`] without a second record, on every broker, including RabbitMQ where
+    /// the broker position changes between deliveries. Byte-identical foreign messages on one
+    /// destination are therefore recorded once.
+    ///
     /// # Errors
     /// Only an acknowledgement error. A store failure negatively acknowledges the message (it
     /// comes back and is recorded then) and returns [`Handled::Retry`].
@@ -214,19 +222,32 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
             error.push_str(&lost.join("; "));
         }
         warn!(target: "outbox.consumer", consumer = name, record_id = %event.id, problem = %foreign.problem, "{error}; recording it as a malformed dead letter");
+        let (marker, fingerprint) = foreign_marker(&event);
         let record = DeadLetter::new(name, event, DeadLetterReason::Malformed, error);
         let inbox = &self.inner.inbox;
         let written = async {
             let mut tx = inbox.begin().await?;
-            inbox.dead_letter(&mut tx, &record).await?;
-            inbox.commit(tx).await
+            match inbox.mark(&mut tx, name, &marker, &fingerprint).await? {
+                MarkOutcome::New => {
+                    inbox.dead_letter(&mut tx, &record).await?;
+                    inbox.commit(tx).await?;
+                    Ok(true)
+                }
+                // Recorded before (dropping `tx` rolls it back).
+                MarkOutcome::Duplicate | MarkOutcome::Conflict { .. } => Ok::<_, Error>(false),
+            }
         }
         .await;
         match written {
-            Ok(()) => {
+            Ok(true) => {
                 let problem = foreign.problem;
                 foreign.ack().await?;
                 Ok(Handled::Malformed { problem })
+            }
+            Ok(false) => {
+                debug!(target: "outbox.consumer", consumer = name, marker = %marker, "malformed message recorded before; acknowledged");
+                foreign.ack().await?;
+                Ok(Handled::Duplicate)
             }
             Err(e) => {
                 warn!(target: "outbox.consumer", consumer = name, error = %e, "could not record a malformed message; it will be redelivered");
@@ -289,7 +310,7 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
     /// Delete markers older than the configured retention.
     ///
     /// # Errors
-    /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when no retention was configured
+    /// [`ErrorKind::Config`] when no retention was configured
     /// (markers are then kept forever); the store's error otherwise.
     pub async fn prune_markers(&self) -> Result<u64> {
         let Some(r) = self.inner.config.retention else {
@@ -551,4 +572,18 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// Give up without acknowledging (the suite's "acknowledgement lost"): the transaction, if
     /// still open, rolls back and the delivery stays unacknowledged until its subscription ends.
     pub fn abandon(self) {}
+}
+
+/// The inbox marker that makes recording a foreign message idempotent: `malformed:sha256-<32 hex
+/// digits>` of the content the record keeps (destination, key, headers, payload; not the broker
+/// position, which RabbitMQ changes between deliveries, and not the `x-delivery-count` header a
+/// RabbitMQ quorum queue adds), and that content's fingerprint.
+pub fn foreign_marker(record: &Event) -> (EventId, Fingerprint) {
+    let mut content = record.clone();
+    content.headers.retain(|name, _| !name.eq_ignore_ascii_case("x-delivery-count"));
+    let fingerprint = content.fingerprint();
+    let hex: String = fingerprint.0.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let id = EventId::new(format!("{}sha256-{hex}", outbox_core::broker::MALFORMED_ID_PREFIX))
+        .expect("\"malformed:sha256-\" and 32 hex digits is a valid event id");
+    (id, fingerprint)
 }

@@ -116,6 +116,7 @@ async fn render(relay: &Relay, store: &dyn OutboxAdmin) -> String {
         ("retried", "Failed publishes sent back to pending with a retry time.", t.retried),
         ("parked", "Rows this relay dead-lettered.", t.parked),
         ("released", "Rows released unpublished (shutdown, or an earlier failure of the same key).", t.released),
+        ("refused", "Rows released because the broker refused the relay's credentials (not parked).", t.refused),
     ];
     for (name, help, value) in counters {
         let _ = writeln!(out, "# HELP outbox_relay_{name}_total {help}");

@@ -226,7 +226,7 @@ pub struct BatchReport {
     /// Rows released unpublished (shutdown, or a failure earlier in the same key).
     pub released: u64,
     /// Rows released because the broker refused the relay's credentials
-    /// ([`ErrorKind::Auth`](crate::ErrorKind::Auth)): not the row's fault, so no attempt is
+    /// ([`ErrorKind::Auth`]): not the row's fault, so no attempt is
     /// counted and nothing is parked; [`Relay::run`] waits `idle_poll` before claiming again.
     pub refused: u64,
 }

@@ -431,3 +431,40 @@ async fn the_token_fences_even_when_the_owner_name_repeats() {
     assert_eq!(store.complete(second.record.row_id, &second.lease).await.unwrap(), Completion::Published);
     assert_eq!(all_rows(&store).await.unwrap()[0].published_token, Some(second.lease.token));
 }
+
+/// Refused credentials are not the row's fault: the row is released (no attempt counted, not
+/// parked) and the broker is not asked again before `idle_poll`.
+#[tokio::test]
+async fn refused_credentials_release_the_row_without_parking_it() {
+    let (_clock, store, broker) = setup().await;
+    store.enqueue(&[event("e1")]).await.unwrap();
+    let auth = || Some(Error::auth("scripted", "ACCESS_REFUSED: login refused for user 'outbox'"));
+    let relay =
+        Relay::new(Arc::new(store.clone()), Arc::new(Scripted::new(broker.clone(), vec![auth(), auth()])), config("r"));
+
+    let r = relay.run_once().await.unwrap();
+    assert_eq!((r.claimed, r.refused, r.parked, r.retried), (1, 1, 0, 0));
+    let row = &all_rows(&store).await.unwrap()[0];
+    assert_eq!((row.status, row.attempts), (RowStatus::Pending, 0), "no attempt counted, not parked");
+    assert!(store.list_parked(10).await.unwrap().is_empty());
+
+    // `run` does not claim again at once after a refusal: with a long idle_poll, the second
+    // refusal is the last publish attempt before shutdown.
+    let relay = Arc::new(Relay::new(
+        Arc::new(store.clone()),
+        Arc::new(Scripted::new(broker.clone(), vec![auth()])),
+        config("r").with_idle_poll(Duration::from_secs(3600)),
+    ));
+    let stop = relay.shutdown_handle();
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run().await }
+    });
+    wait_until(|| relay.totals().refused == 1).await;
+    stop.trigger();
+    let totals = within("the relay stops", running).await.unwrap().unwrap();
+    assert_eq!((totals.claimed, totals.refused, totals.published), (1, 1, 0), "one claim, then the idle wait");
+    assert!(broker.log(&dest()).is_empty());
+    let row = &all_rows(&store).await.unwrap()[0];
+    assert_eq!((row.status, row.attempts), (RowStatus::Pending, 0));
+}

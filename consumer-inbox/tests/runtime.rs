@@ -242,3 +242,51 @@ async fn a_removed_dead_letter_replays_with_its_full_attempts() {
     assert_eq!(again[0].event, poison);
     assert!(again[0].id > dead[0].id, "a new record with a new id");
 }
+
+/// Foreign messages do not slow the stream down: `run` records each as a `malformed` dead letter
+/// and goes straight on (a pause of `receive_wait` after each would take 40 s here; the bound is
+/// 10 s).
+#[tokio::test]
+async fn run_records_foreign_messages_and_goes_on_without_pausing() {
+    const N: usize = 20;
+    let b = MemoryBroker::new();
+    let d = Destination::new("t").unwrap();
+    let g = ConsumerGroup::new("g").unwrap();
+    b.declare(&d, std::slice::from_ref(&g)).await.unwrap();
+    for i in 0..N {
+        b.publish(&ev(&format!("e{i}"), b"7")).await.unwrap();
+        b.publish_raw(&d, vec![(b"junk".to_vec(), format!("foreign {i}").into_bytes())]).unwrap();
+    }
+    let mut sub = b.subscribe(&d, &g).await.unwrap();
+    let inbox = MemoryInbox::new(Arc::new(ManualClock::default()));
+    let config = ConsumerConfig::new("c").with_receive_wait(Duration::from_secs(2));
+    let consumer = Consumer::new(inbox.clone(), Credit { fail_first: AtomicU32::new(0) }, config);
+    let shutdown = outbox_core::Shutdown::default();
+    let running = tokio::spawn({
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        async move { consumer.run(sub.as_mut(), &shutdown).await }
+    });
+    let done = async {
+        loop {
+            let letters = inbox.dead_letters("c").await.unwrap();
+            if table(&inbox, "effects").len() == N && letters.len() == N {
+                return letters;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    let letters = tokio::time::timeout(Duration::from_secs(10), done)
+        .await
+        .expect("20 events and 20 foreign messages were not all handled within 10 s: the runtime pauses");
+    shutdown.trigger();
+    tokio::time::timeout(Duration::from_secs(10), running).await.expect("run stops").unwrap().unwrap();
+    assert!(letters.iter().all(|l| l.reason == DeadLetterReason::Malformed), "{letters:?}");
+    let mut kept: Vec<String> = letters
+        .iter()
+        .map(|l| String::from_utf8_lossy(l.event.headers.get("junk").map_or(&[][..], Vec::as_slice)).into_owned())
+        .collect();
+    kept.sort();
+    let mut expected: Vec<String> = (0..N).map(|i| format!("foreign {i}")).collect();
+    expected.sort();
+    assert_eq!(kept, expected, "each foreign message recorded once, its raw fields kept");
+}

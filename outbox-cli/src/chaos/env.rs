@@ -104,7 +104,10 @@ impl Env {
             BrokerKind::Amqp => (base.clone(), base),
             BrokerKind::Kafka => (
                 format!("{base}?outbox_partitions=4"),
-                format!("{base}?outbox_partitions=4&outbox_session_timeout_ms=6000"),
+                // tansu keeps a group's rebalance timeout (librdkafka's `max.poll.interval.ms`,
+                // 300 s by default) and, after a restart, waits that long for a member that was
+                // SIGKILLed before a new one gets partitions; 20 s keeps recovery inside the drain.
+                format!("{base}?outbox_partitions=4&outbox_session_timeout_ms=6000&max.poll.interval.ms=20000"),
             ),
         };
         Ok(Self {

@@ -2056,7 +2056,11 @@ async fn foreign_message_redelivered_recorded_once<H: Harness>(
         Box::new(LostAck),
     );
     let first = engines.handle(&consumer, outbox_core::Received::Foreign(lost)).await?;
-    ensure!(CASE, keeps(&fx.inbox.dead_letters(CONSUMER).await?) == 1, "the first delivery was not recorded ({first:?})");
+    ensure!(
+        CASE,
+        keeps(&fx.inbox.dead_letters(CONSUMER).await?) == 1,
+        "the first delivery was not recorded ({first:?})"
+    );
     drop(original);
     drop(sub); // the consumer goes away: its unacknowledged delivery comes back
     let broker = (fx.restart_broker)();

@@ -20,9 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::{
-    Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, ErrorKind, Event, EventId, Fingerprint, ForeignDelivery,
-    Inbox, LedgerState,
-    Malformed, MarkOutcome, Received, Result, Subscription, VersionOutcome,
+    Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, ErrorKind, Event, EventId, Fingerprint,
+    ForeignDelivery, Inbox, LedgerState, Malformed, MarkOutcome, Received, Result, Subscription, VersionOutcome,
 };
 use tracing::{debug, warn};
 
@@ -473,9 +472,7 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
                         .inbox
                         .set_ledger_state(tx, &c.inner.config.name, &self.event.id, LedgerState::Done)
                         .await
-                        .map_err(|e| {
-                        self.retry(0, &e)
-                    })?;
+                        .map_err(|e| self.retry(0, &e))?;
                 }
                 Ok(())
             }

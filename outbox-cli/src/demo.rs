@@ -31,8 +31,8 @@ use outbox::postgres::{PgInbox, PgStore, PgTx, map_commit_error, map_error};
 use outbox::sqlite::rusqlite::{TransactionBehavior, params};
 use outbox::sqlite::{SqliteConfig, SqliteStore, SqliteTx, sqlite_error};
 use outbox::{
-    AnyStore, Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, Inbox, OutboxAdmin,
-    Relay, RelayConfig, Result, RowId, RowSnapshot, RowStatus,
+    AnyStore, Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, Inbox, OutboxAdmin, Relay,
+    RelayConfig, Result, RowId, RowSnapshot, RowStatus,
 };
 use tokio::sync::watch;
 

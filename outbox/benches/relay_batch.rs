@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use outbox_core::{
-    Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, OutboxAdmin, OutboxStore, Relay, RelayConfig, Result,
-    Subscription,
+    Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, OutboxAdmin, OutboxStore, Relay, RelayConfig,
+    Result, Subscription,
 };
 use outbox_store_postgres::sqlx::postgres::PgSslMode;
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe, Connection, PgConnection, Row};

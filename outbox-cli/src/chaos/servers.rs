@@ -707,8 +707,11 @@ impl Server for PgNode {
 
     /// `pg_ctl restart`, `-m immediate` and `-m fast` in turn, then wait for a connection.
     async fn restart(&self) -> Result<Duration, String> {
-        let mode =
-            if self.restarts.fetch_add(1, Ordering::Relaxed).is_multiple_of(2) { PgStop::Immediate } else { PgStop::Fast };
+        let mode = if self.restarts.fetch_add(1, Ordering::Relaxed).is_multiple_of(2) {
+            PgStop::Immediate
+        } else {
+            PgStop::Fast
+        };
         self.restart_with(mode).await
     }
 }

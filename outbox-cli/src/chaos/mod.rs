@@ -169,7 +169,7 @@ fn settings(args: &ChaosArgs) -> Settings {
     let (window, events, drain, stats) = match args.profile {
         Profile::Ci => {
             let window = args.duration.unwrap_or(Duration::from_secs(40));
-            (window, args.events.unwrap_or(5_000), Duration::from_secs(120), None)
+            (window, args.events.unwrap_or(5_000), Duration::from_secs(240), None)
         }
         Profile::Long => {
             let window = args.duration.unwrap_or(Duration::from_secs(30 * 60));

@@ -527,18 +527,9 @@ mod tests {
     /// The rows of the README's wire-format table: `(event part, slot, name or value)`, with
     /// backticks removed.
     fn wire_format() -> Vec<(String, String, String)> {
-        let readme = include_str!("../README.md");
-        let start = readme.find("## Wire format").expect("README has a wire-format section");
-        readme[start..]
-            .lines()
-            .skip(1)
-            .take_while(|l| !l.starts_with("## "))
-            .filter(|l| l.starts_with("| ") && !l.starts_with("| event part") && !l.starts_with("|---"))
-            .map(|l| {
-                let cols: Vec<String> = l.trim_matches('|').split('|').map(|c| c.trim().replace('`', "")).collect();
-                (cols[0].clone(), cols[1].clone(), cols[2].clone())
-            })
-            .collect()
+        let rows = outbox_conformance_tests::docs::markdown_table(include_str!("../README.md"), "## Wire format");
+        let plain = |c: &String| c.replace('`', "");
+        rows[1..].iter().map(|r| (plain(&r[0]), plain(&r[1]), plain(&r[2]))).collect()
     }
 
     fn row<'a>(table: &'a [(String, String, String)], part: &str) -> &'a (String, String, String) {

@@ -14,22 +14,9 @@ const README: &str = include_str!("../README.md");
 
 /// `(event part, stream entry field, value)` of every row of the "Wire format" table.
 fn wire_table() -> Vec<(String, String, String)> {
-    let section = README.split("## Wire format").nth(1).expect("README has a \"## Wire format\" section");
-    let section = section.split("\n## ").next().unwrap_or(section);
-    let rows: Vec<Vec<String>> = section
-        .lines()
-        .filter(|l| l.trim_start().starts_with('|'))
-        .map(|l| l.trim().trim_matches('|').split('|').map(|c| c.trim().to_string()).collect())
-        .collect();
-    assert!(rows.len() > 2, "the wire-format table has no rows");
+    let rows = outbox_conformance_tests::docs::markdown_table(README, "## Wire format");
     assert_eq!(rows[0], ["event part", "stream entry field", "value"], "unexpected table header");
-    rows[2..]
-        .iter()
-        .map(|r| {
-            assert_eq!(r.len(), 3, "wire-format row {r:?} does not have 3 cells");
-            (r[0].clone(), r[1].clone(), r[2].clone())
-        })
-        .collect()
+    rows[1..].iter().map(|r| (r[0].clone(), r[1].clone(), r[2].clone())).collect()
 }
 
 /// The single backtick-quoted name in a cell.

@@ -1941,25 +1941,41 @@ async fn foreign_messages_mixed<H: Harness>(h: &H, engines: &Engines) -> outbox_
     Ok(CaseResult::Passed(format!("{} events applied once; {}{skipped}", events.len(), notes.join(", "))))
 }
 
+/// A fresh fixture with one foreign message on its destination (the first kind the harness can
+/// write), and its payload and kind; or the failed case when the harness can write none.
+async fn with_one_foreign<H: Harness>(
+    h: &H,
+    case: &str,
+) -> outbox_core::Result<
+    std::result::Result<(crate::harness::Fixture<H::Inbox>, Duration, Vec<u8>, ForeignKind), CaseResult>,
+> {
+    let (fx, wait) = fresh_broker(h, case).await?;
+    let Some(writer) = fx.foreign.clone() else {
+        return Ok(Err(CaseResult::fail(
+            case,
+            "",
+            "the harness declares foreign-messages but its fixture has no writer",
+        )));
+    };
+    let tag = crate::world::unique_tag();
+    let payload = foreign_payload(&tag, 0);
+    for k in ForeignKind::ALL {
+        if writer.write(&fx.destination, k, &format!("{case}.{tag}"), &payload).await? == Foreign::Written {
+            return Ok(Ok((fx, wait, payload, k)));
+        }
+    }
+    Ok(Err(CaseResult::fail(case, "", "the harness could write no foreign message")))
+}
+
 async fn foreign_message_unacknowledged_until_recorded<H: Harness>(
     h: &H,
     engines: &Engines,
 ) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "foreign_message_is_unacknowledged_until_settled";
-    let (fx, wait) = fresh_broker(h, CASE).await?;
-    let Some(writer) = fx.foreign.clone() else {
-        return Ok(CaseResult::fail(CASE, "", "the harness declares foreign-messages but its fixture has no writer"));
+    let (fx, wait, payload, kind) = match with_one_foreign(h, CASE).await? {
+        Ok(setup) => setup,
+        Err(failed) => return Ok(failed),
     };
-    let tag = crate::world::unique_tag();
-    let payload = foreign_payload(&tag, 0);
-    let mut kind = None;
-    for k in ForeignKind::ALL {
-        if writer.write(&fx.destination, k, &format!("{CASE}.{tag}"), &payload).await? == Foreign::Written {
-            kind = Some(k);
-            break;
-        }
-    }
-    let Some(kind) = kind else { return Ok(CaseResult::fail(CASE, "", "the harness could write no foreign message")) };
     let keeps = |letters: &[DeadLetter]| letters.iter().filter(|d| d.event.payload == payload).count();
     let failing = FailingCommit::new((fx.restart_inbox)(), 1);
     let consumer = suite_consumer(failing, Arc::new(EffectsThrough(fx.effects.clone())), EffectKind::Additive);
@@ -2017,20 +2033,10 @@ async fn foreign_message_redelivered_recorded_once<H: Harness>(
     engines: &Engines,
 ) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "foreign_message_redelivered_is_recorded_once";
-    let (fx, wait) = fresh_broker(h, CASE).await?;
-    let Some(writer) = fx.foreign.clone() else {
-        return Ok(CaseResult::fail(CASE, "", "the harness declares foreign-messages but its fixture has no writer"));
+    let (fx, wait, payload, kind) = match with_one_foreign(h, CASE).await? {
+        Ok(setup) => setup,
+        Err(failed) => return Ok(failed),
     };
-    let tag = crate::world::unique_tag();
-    let payload = foreign_payload(&tag, 0);
-    let mut kind = None;
-    for k in ForeignKind::ALL {
-        if writer.write(&fx.destination, k, &format!("{CASE}.{tag}"), &payload).await? == Foreign::Written {
-            kind = Some(k);
-            break;
-        }
-    }
-    let Some(kind) = kind else { return Ok(CaseResult::fail(CASE, "", "the harness could write no foreign message")) };
     let keeps = |letters: &[DeadLetter]| letters.iter().filter(|d| d.event.payload == payload).count();
     let consumer = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
     let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;

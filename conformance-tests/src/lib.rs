@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod cases;
+pub mod docs;
 pub mod engines;
 pub mod explore;
 pub mod faults;

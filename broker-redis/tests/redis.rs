@@ -521,7 +521,7 @@ async fn unreachable_server_is_a_quick_transient_connection_error() {
 }
 
 #[tokio::test]
-async fn wrong_password_is_a_permanent_config_error() {
+async fn wrong_password_is_a_permanent_auth_error() {
     if !service_up() {
         return;
     }
@@ -529,7 +529,7 @@ async fn wrong_password_is_a_permanent_config_error() {
     url.set_username("no-such-user-outbox").unwrap();
     url.set_password(Some("hunter2")).unwrap();
     let err = RedisBroker::connect(RedisConfig::from_url(url.as_str()).unwrap()).await.unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Config, "{err:?}");
+    assert_eq!(err.kind(), ErrorKind::Auth, "{err:?}");
     assert!(err.is_permanent());
     assert!(!format!("{err} {err:?}").contains("hunter2"));
 }

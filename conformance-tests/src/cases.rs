@@ -377,6 +377,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "relay_refused_credentials_release_the_row",
+            class: "Relay",
+            property: "a publish refused for the relay's credentials (ErrorKind::Auth) releases the row: no attempt \
+                       counted, not parked, published once the broker accepts again",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "relay_one_key_is_published_one_at_a_time_in_row_order",
             class: "Relay",
             property: "rows of one key are never published concurrently and reach the broker in row order",
@@ -612,6 +620,7 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_concurrent_claims_never_share_a_row" => store_concurrent_claims(harness).await,
             "store_complete_many_answers_each_row_as_complete_would" => store_complete_many(harness).await,
             "relay_transient_failure_is_retried_not_completed" => relay_transient_failure(harness, engines).await,
+            "relay_refused_credentials_release_the_row" => relay_refused_credentials(harness, engines).await,
             "relay_one_key_is_published_one_at_a_time_in_row_order" => relay_key_order(harness, engines).await,
             "relay_shutdown_releases_unpublished_rows" => relay_shutdown_releases(harness, engines).await,
             "inbox_commit_failure_is_not_acknowledged" => inbox_commit_failure(harness, engines).await,
@@ -897,6 +906,23 @@ async fn fresh_broker<H: Harness>(
     let fx = h.fixture(case, ManualClock::default()).await?;
     fx.broker.declare(&fx.destination, &[suite_group()]).await?;
     Ok((fx, h.capabilities().delivery_wait))
+}
+
+/// [`receive_within`] for [`Subscription::receive`](outbox_core::Subscription::receive): the
+/// first event or foreign message, or `None` after the same bounded wait.
+async fn first_received(
+    sub: &mut dyn outbox_core::Subscription,
+    wait: Duration,
+) -> outbox_core::Result<Option<outbox_core::Received>> {
+    let deadline = Instant::now() + wait.max(Duration::from_millis(200)) * 3;
+    loop {
+        if let Some(r) = receive_bounded(sub, wait.max(Duration::from_millis(10))).await? {
+            return Ok(Some(r));
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
+        }
+    }
 }
 
 async fn receive_within(
@@ -1492,6 +1518,40 @@ async fn store_concurrent_claims<H: Harness>(h: &H) -> outbox_core::Result<CaseR
     Ok(CaseResult::Passed(format!("{CLAIMERS} claimers took {ROWS} rows, each once")))
 }
 
+async fn relay_refused_credentials<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "relay_refused_credentials_release_the_row";
+    let (fx, _clock, events) = keyed_fixture(h, CASE, &["k1"]).await?;
+    let wait = h.capabilities().delivery_wait;
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let faulty = Faulty::new(fx.broker.clone());
+    faulty.fail_next(&events[0].id, ErrorKind::Auth, Retry::Permanent);
+    let relay = engines.relay(fx.store.clone(), faulty.shared(), relay_config("relay-A"));
+    let first = relay.run_once().await?;
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let Some(r0) = row_of(&rows, &events[0]) else {
+        return Ok(CaseResult::fail(CASE, "", format!("row missing: {rows:?}")));
+    };
+    ensure!(
+        CASE,
+        r0.status == RowStatus::Pending && r0.attempts == 0 && r0.published_token.is_none(),
+        "after refused credentials the row is {}: it must be pending again with no attempt counted (batch: {first:?})",
+        describe(r0)
+    );
+    // The broker accepts again: the next batch publishes the row.
+    relay.run_once().await?;
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let r0 = row_of(&rows, &events[0]);
+    ensure!(
+        CASE,
+        r0.is_some_and(|r| r.status == RowStatus::Published && r.attempts == 0),
+        "once the broker accepted, the row is {}",
+        r0.map_or("missing".into(), describe)
+    );
+    let received = receive_ids(sub.as_mut(), std::slice::from_ref(&events[0].id), wait).await?;
+    ensure!(CASE, received.iter().any(|e| e.id == events[0].id), "{} never reached the broker", events[0].id);
+    Ok(CaseResult::Passed(format!("refused, released, then published (first batch: {first:?})")))
+}
+
 async fn relay_transient_failure<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "relay_transient_failure_is_retried_not_completed";
     let (fx, _clock, events) = keyed_fixture(h, CASE, &["k1", "k1", "k2"]).await?;
@@ -1980,14 +2040,8 @@ async fn foreign_message_unacknowledged_until_recorded<H: Harness>(
     let failing = FailingCommit::new((fx.restart_inbox)(), 1);
     let consumer = suite_consumer(failing, Arc::new(EffectsThrough(fx.effects.clone())), EffectKind::Additive);
     let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
-    let deadline = Instant::now() + wait.max(Duration::from_millis(200)) * 3;
-    let received = loop {
-        if let Some(r) = receive_bounded(sub.as_mut(), wait.max(Duration::from_millis(10))).await? {
-            break r;
-        }
-        if Instant::now() >= deadline {
-            return Ok(CaseResult::fail(CASE, "", format!("the {kind} message was not received")));
-        }
+    let Some(received) = first_received(sub.as_mut(), wait).await? else {
+        return Ok(CaseResult::fail(CASE, "", format!("the {kind} message was not received")));
     };
     ensure!(
         CASE,
@@ -2040,14 +2094,8 @@ async fn foreign_message_redelivered_recorded_once<H: Harness>(
     let keeps = |letters: &[DeadLetter]| letters.iter().filter(|d| d.event.payload == payload).count();
     let consumer = suite_consumer((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive);
     let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
-    let deadline = Instant::now() + wait.max(Duration::from_millis(200)) * 3;
-    let received = loop {
-        if let Some(r) = receive_bounded(sub.as_mut(), wait.max(Duration::from_millis(10))).await? {
-            break r;
-        }
-        if Instant::now() >= deadline {
-            return Ok(CaseResult::fail(CASE, "", format!("the {kind} message was not received")));
-        }
+    let Some(received) = first_received(sub.as_mut(), wait).await? else {
+        return Ok(CaseResult::fail(CASE, "", format!("the {kind} message was not received")));
     };
     let outbox_core::Received::Foreign(original) = received else {
         return Ok(CaseResult::fail(CASE, "", format!("the {kind} message was received as {received:?}")));

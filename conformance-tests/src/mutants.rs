@@ -65,6 +65,8 @@ pub enum Mutant {
     RelayPublishesOneKeyConcurrently,
     /// A relay that leaves its claimed, unpublished rows leased when it shuts down.
     RelayKeepsLeasesOnShutdown,
+    /// A relay that parks a row because the broker refused the relay's credentials.
+    RelayParksOnRefusedCredentials,
     /// A consumer runtime that acknowledges after the effect, before the inbox commit.
     AckThenCommit,
     /// A consumer runtime that acknowledges a foreign message without a dead letter.
@@ -77,7 +79,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 18] = [
+    pub const ALL: [Mutant; 19] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -92,6 +94,7 @@ impl Mutant {
         Mutant::RelayCompletesFailedPublish,
         Mutant::RelayPublishesOneKeyConcurrently,
         Mutant::RelayKeepsLeasesOnShutdown,
+        Mutant::RelayParksOnRefusedCredentials,
         Mutant::AckThenCommit,
         Mutant::DropsForeign,
         Mutant::AckForeignBeforeRecord,
@@ -113,7 +116,8 @@ impl Mutant {
         match self {
             Self::RelayCompletesFailedPublish
             | Self::RelayPublishesOneKeyConcurrently
-            | Self::RelayKeepsLeasesOnShutdown => relay(self),
+            | Self::RelayKeepsLeasesOnShutdown
+            | Self::RelayParksOnRefusedCredentials => relay(self),
             Self::AckThenCommit => {
                 Engines::default().with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckThenCommit)
             }
@@ -146,6 +150,7 @@ impl fmt::Display for Mutant {
             Self::RelayCompletesFailedPublish => "relay that completes a row whose publish failed transiently",
             Self::RelayPublishesOneKeyConcurrently => "relay that publishes one key's rows concurrently",
             Self::RelayKeepsLeasesOnShutdown => "relay that does not release claimed rows on shutdown",
+            Self::RelayParksOnRefusedCredentials => "relay that parks a row when the broker refuses its credentials",
             Self::AckThenCommit => "ack inside commit, before the inbox commit",
             Self::DropsForeign => "foreign messages acknowledged without a dead letter",
             Self::AckForeignBeforeRecord => "foreign messages acknowledged before their dead letter commits",
@@ -650,9 +655,10 @@ impl Broker for JoinedQueues {
 }
 
 /// A plain relay with one fault ([`Mutant::RelayCompletesFailedPublish`],
-/// [`Mutant::RelayPublishesOneKeyConcurrently`] or [`Mutant::RelayKeepsLeasesOnShutdown`]).
-/// Without its fault it is correct: rows in row order, one at a time; a failed row holds back
-/// the rest of its key; shutdown releases what was not published.
+/// [`Mutant::RelayPublishesOneKeyConcurrently`], [`Mutant::RelayKeepsLeasesOnShutdown`] or
+/// [`Mutant::RelayParksOnRefusedCredentials`]). Without its fault it is correct: rows in row
+/// order, one at a time; a failed row holds back the rest of its key; refused credentials
+/// release the row; shutdown releases what was not published.
 struct WrongRelay {
     store: Arc<dyn OutboxStore>,
     broker: Arc<dyn Broker>,
@@ -686,6 +692,11 @@ impl WrongRelay {
             Err(e) if self.fault == Mutant::RelayCompletesFailedPublish && e.retry() != Retry::Permanent => {
                 // "It will surely go through": completed without being on the broker.
                 sent.push((c.record.row_id, c.lease.clone()));
+            }
+            Err(e) if e.kind() == ErrorKind::Auth && self.fault != Mutant::RelayParksOnRefusedCredentials => {
+                if self.store.release(c.record.row_id, &c.lease).await.ok() == Some(Outcome::Applied) {
+                    report.refused += 1;
+                }
             }
             Err(e) if e.retry() == Retry::Permanent || c.record.attempts + 1 >= self.config.max_attempts => {
                 if self.store.park(c.record.row_id, &c.lease, &e.to_string()).await.ok() == Some(Outcome::Applied) {

@@ -458,6 +458,24 @@ pub trait Broker: Send + Sync {
     /// - safe to call concurrently.
     async fn publish(&self, event: &Event) -> Result<()>;
 
+    /// Publish several events at once, with the broker's own batching (a pipeline, a window of
+    /// confirms, many deliveries in flight); one result per event, in slice order.
+    ///
+    /// # Behavior
+    /// - each `Ok` means the same as an `Ok` from [`publish`](Broker::publish) for that event;
+    /// - events with the same key reach the broker in slice order (the first offer of each);
+    /// - once an event fails, no later event **of the same key** is sent: its result is an
+    ///   error of kind [`Skipped`](crate::ErrorKind::Skipped) (transient), so the caller can
+    ///   retry the key from the failed event on and keep its order;
+    /// - events of different keys, and events without a key, are independent: one failing
+    ///   changes nothing for the others;
+    /// - an empty slice returns an empty vector without I/O;
+    /// - the default publishes one key after another per lane, lanes concurrently (up to 16),
+    ///   with [`publish`](Broker::publish); adapters override it with native batching.
+    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
+        crate::broker::publish_batch_by_lanes(self, events, 16).await
+    }
+
     /// Join `group` on `destination`.
     ///
     /// # Behavior
@@ -465,4 +483,56 @@ pub trait Broker: Send + Sync {
     /// - deliveries must be acknowledged explicitly; unacknowledged ones come back after the
     ///   subscription is dropped.
     async fn subscribe(&self, destination: &Destination, group: &ConsumerGroup) -> Result<Box<dyn Subscription>>;
+}
+
+/// The default [`Broker::publish_batch`]: events grouped into lanes by key (each keyless event
+/// is a lane of its own), one event after another within a lane, up to `concurrency` lanes at
+/// once; after a failure the rest of its lane is [`Skipped`](crate::ErrorKind::Skipped).
+///
+/// For adapters whose native batching covers only part of a batch, and for decorators.
+pub async fn publish_batch_by_lanes<B: Broker + ?Sized>(broker: &B, events: &[Event], concurrency: usize) -> Vec<Result<()>> {
+    use futures::StreamExt;
+    use std::collections::BTreeMap;
+    let mut lanes: BTreeMap<(bool, &str, usize), Vec<usize>> = BTreeMap::new();
+    let mut first_of_key: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, e) in events.iter().enumerate() {
+        let lane = match e.key.as_deref() {
+            Some(k) => (true, k, *first_of_key.entry(k).or_insert(i)),
+            None => (false, "", i),
+        };
+        lanes.entry(lane).or_default().push(i);
+    }
+    let mut out: Vec<Option<Result<()>>> = (0..events.len()).map(|_| None).collect();
+    let done: Vec<Vec<(usize, Result<()>)>> = futures::stream::iter(lanes.into_values().map(|lane| async move {
+        let mut results = Vec::with_capacity(lane.len());
+        let mut failed: Option<String> = None;
+        for i in lane {
+            if let Some(id) = &failed {
+                results.push((i, Err(skipped(broker.backend(), id))));
+                continue;
+            }
+            let r = broker.publish(&events[i]).await;
+            if r.is_err() {
+                failed = Some(events[i].id.to_string());
+            }
+            results.push((i, r));
+        }
+        results
+    }))
+    .buffer_unordered(concurrency.max(1))
+    .collect()
+    .await;
+    for (i, r) in done.into_iter().flatten() {
+        out[i] = Some(r);
+    }
+    out.into_iter().map(|r| r.unwrap_or_else(|| Err(skipped("relay", "?")))).collect()
+}
+
+/// The error of an event not sent because an earlier event of its key failed in the same batch.
+pub fn skipped(backend: &'static str, failed_event: &str) -> crate::error::Error {
+    crate::error::Error::transient(
+        crate::error::ErrorKind::Skipped,
+        backend,
+        format!("not sent: event {failed_event} of the same key failed earlier in this batch"),
+    )
 }

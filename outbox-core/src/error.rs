@@ -44,6 +44,10 @@ pub enum ErrorKind {
     /// handshake). Permanent on every backend: retrying the same credentials cannot succeed, and
     /// retrying them may lock the account.
     Auth,
+    /// Not attempted: an earlier event of the same key failed in the same batch
+    /// ([`Broker::publish_batch`](crate::Broker::publish_batch)), and sending this one first
+    /// would break the key's order. Transient; not the event's fault.
+    Skipped,
 }
 
 /// Whether trying the same operation again can help.

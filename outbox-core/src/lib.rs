@@ -14,6 +14,7 @@ pub mod rng;
 #[cfg(not(feature = "testkit"))]
 mod rng;
 pub mod store;
+pub mod telemetry;
 pub mod wakeup;
 
 pub use broker::{Acknowledge, Broker, Delivery, ForeignDelivery, Malformed, RawMessage, Received, Subscription};

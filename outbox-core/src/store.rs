@@ -14,7 +14,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::clock::Timestamp;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::wakeup::Wakeup;
 
@@ -299,6 +299,25 @@ pub trait OutboxAdmin: OutboxStore {
     /// # Behavior
     /// - at most `limit` rows with `row_id > after`; status as of the store's current time.
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>>;
+
+    /// Delete published rows whose `published_at` is older than `older_than` before the store's
+    /// current time: retention, so the table does not grow forever.
+    ///
+    /// # Behavior
+    /// - deletes at most `limit` rows, oldest first, in one short transaction; call again until
+    ///   it returns less than `limit`;
+    /// - never deletes a row that is pending, leased or parked;
+    /// - returns how many rows were deleted;
+    /// - the default is a permanent [`Rejected`](crate::ErrorKind::Rejected) error naming the backend,
+    ///   so a backend written before retention existed still compiles.
+    async fn purge_published(&self, older_than: Duration, limit: usize) -> Result<u64> {
+        let _ = (older_than, limit);
+        Err(Error::permanent(
+            crate::error::ErrorKind::Rejected,
+            self.backend(),
+            "this store does not implement retention (OutboxAdmin::purge_published)",
+        ))
+    }
 }
 
 /// Read every row of a store, in row-id order (pages through [`OutboxAdmin::inspect`]): for tests

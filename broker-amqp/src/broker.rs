@@ -10,6 +10,9 @@
 //! the pairing is exact. A channel whose publish ended in an error or a timeout is thrown away,
 //! so a late return cannot be paired with the next message.
 //!
+//! A batch ([`Broker::publish_batch`], `batch.rs`) keeps many messages in flight per channel
+//! and attributes returns by the event id they carry instead.
+//!
 //! **Two connections**, one for publishing and one for consuming, as RabbitMQ recommends: when
 //! the server blocks publishers (memory or disk alarm) the consumers' acknowledgements still flow.
 //! Each is rebuilt on the next operation after it broke.
@@ -34,7 +37,7 @@ use crate::error::{BACKEND, Op, from_lapin};
 use crate::subscription::AmqpSubscription;
 
 /// AMQP reply code of a `basic.return` for a message no queue is bound to receive.
-const NO_ROUTE: u16 = 312;
+pub(crate) const NO_ROUTE: u16 = 312;
 /// Binding key that makes a topic exchange deliver everything to the queue.
 const BIND_ALL: &str = "#";
 
@@ -49,14 +52,21 @@ pub struct AmqpBroker {
 
 pub(crate) struct Inner {
     pub(crate) config: AmqpConfig,
-    publisher: Slot,
+    pub(crate) publisher: Slot,
     consumer: Slot,
     idle: Mutex<Vec<Channel>>,
-    window: Semaphore,
+    pub(crate) window: Semaphore,
+}
+
+/// What `publish` sends for one event, after every check passed.
+pub(crate) struct Prepared {
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) properties: lapin::BasicProperties,
 }
 
 /// One lazily (re)opened connection.
-struct Slot {
+pub(crate) struct Slot {
     role: &'static str,
     connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
 }
@@ -193,7 +203,7 @@ pub(crate) fn close(channel: Channel) {
 
 impl Inner {
     /// The slot's connection, reopened if it is missing or broken.
-    async fn connection(&self, slot: &Slot) -> Result<Arc<Connection>> {
+    pub(crate) async fn connection(&self, slot: &Slot) -> Result<Arc<Connection>> {
         let mut guard = slot.connection.lock().await;
         if let Some(conn) = guard.as_ref() {
             if conn.status().connected() {
@@ -246,7 +256,7 @@ impl Inner {
     }
 
     /// An idle publishing channel in confirm mode, or a new one.
-    async fn publish_channel(&self) -> Result<Channel> {
+    pub(crate) async fn publish_channel(&self) -> Result<Channel> {
         loop {
             let Some(channel) = lock(&self.idle).pop() else { break };
             if channel.status().connected() {
@@ -261,7 +271,7 @@ impl Inner {
         Ok(channel)
     }
 
-    fn recycle(&self, channel: Channel) {
+    pub(crate) fn recycle(&self, channel: Channel) {
         if channel.status().connected() {
             lock(&self.idle).push(channel);
         }
@@ -327,14 +337,14 @@ impl Inner {
         Ok(())
     }
 
-    async fn publish(&self, event: &Event) -> Result<()> {
+    /// Everything `publish` checks before sending, and the message to send.
+    pub(crate) fn prepare(&self, event: &Event, frame_max: u32) -> Result<Prepared> {
         event.validate(self.config.max_payload())?;
         let exchange = self.config.exchange_name(&event.destination)?;
         let routing_key = self.config.routing_key_for(event)?;
         let properties = codec::encode(event)?;
         // Checked before anything is sent: an oversized content header is a connection-level
         // FRAME_ERROR that would take down every channel sharing the connection.
-        let frame_max = self.connection(&self.publisher).await?.configuration().frame_max();
         let header_bytes = codec::content_header_frame_bytes(event);
         if frame_max != 0 && header_bytes > frame_max as usize {
             return Err(Error::permanent(
@@ -347,6 +357,13 @@ impl Inner {
                 ),
             ));
         }
+        Ok(Prepared { exchange, routing_key, properties })
+    }
+
+    async fn publish(&self, event: &Event) -> Result<()> {
+        event.validate(self.config.max_payload())?;
+        let frame_max = self.connection(&self.publisher).await?.configuration().frame_max();
+        let Prepared { exchange, routing_key, properties } = self.prepare(event, frame_max)?;
         let _permit = self
             .window
             .acquire()
@@ -456,6 +473,13 @@ impl Broker for AmqpBroker {
 
     async fn publish(&self, event: &Event) -> Result<()> {
         self.inner.publish(event).await
+    }
+
+    /// Publisher confirms over a window: each channel carries many messages at once, and each
+    /// message is told exactly whether it was returned (see the crate documentation,
+    /// "Batching").
+    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
+        self.inner.publish_batch(events).await
     }
 
     async fn subscribe(&self, destination: &Destination, group: &ConsumerGroup) -> Result<Box<dyn Subscription>> {

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod batch;
 mod broker;
 mod codec;
 mod config;

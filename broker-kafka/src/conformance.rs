@@ -68,6 +68,10 @@ impl Broker for Namespaced {
         self.kafka.publish(event).await
     }
 
+    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
+        self.kafka.publish_batch(events).await
+    }
+
     async fn subscribe(&self, destination: &Destination, group: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
         self.kafka.subscribe(destination, &self.group(group)?).await
     }

@@ -8,15 +8,19 @@ mod error;
 mod inspect;
 mod subscription;
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use outbox_core::broker::skipped;
 use outbox_core::{Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, Result, Subscription};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
+use rdkafka::error::KafkaError;
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 use tracing::{debug, warn};
 
@@ -179,6 +183,141 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     })
 }
 
+/// Validate `event` as `publish` does and build its Kafka headers (the event id first).
+fn record_headers(event: &Event) -> Result<OwnedHeaders> {
+    // Size is left to librdkafka (`message.max.bytes`) and the broker, which know the limit.
+    event.validate(usize::MAX)?;
+    if event.headers.contains_key(EVENT_ID_HEADER) {
+        return Err(Error::invalid_input(
+            BACKEND,
+            format!("event {}: header {EVENT_ID_HEADER:?} is reserved for the event id", event.id),
+        ));
+    }
+    let mut headers = OwnedHeaders::new_with_capacity(event.headers.len() + 1)
+        .insert(Header { key: EVENT_ID_HEADER, value: Some(event.id.as_str().as_bytes()) });
+    for (name, value) in &event.headers {
+        headers = headers.insert(Header { key: name.as_str(), value: Some(value.as_slice()) });
+    }
+    Ok(headers)
+}
+
+fn record(event: &Event, headers: OwnedHeaders) -> FutureRecord<'_, [u8], [u8]> {
+    let mut record =
+        FutureRecord::<[u8], [u8]>::to(event.destination.as_str()).payload(event.payload.as_slice()).headers(headers);
+    if let Some(key) = &event.key {
+        record = record.key(key.as_bytes());
+    }
+    record
+}
+
+impl KafkaBroker {
+    async fn publish_events(&self, events: &[Event]) -> Vec<Result<()>> {
+        let mut out: Vec<Option<Result<()>>> = (0..events.len()).map(|_| None).collect();
+        if events.is_empty() {
+            return Vec::new();
+        }
+        let slot = self.producer();
+        let timeout = self.shared.config.delivery_timeout;
+        // Keys whose event failed first (before sending, or while enqueuing): later events of
+        // the key are not sent.
+        let mut failed: HashMap<&str, String> = HashMap::new();
+        let mut in_flight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
+        let mut delivered: Vec<(usize, <DeliveryFuture as std::future::Future>::Output)> = Vec::new();
+        for (i, event) in events.iter().enumerate() {
+            if let Some(first) = event.key.as_deref().and_then(|k| failed.get(k)) {
+                out[i] = Some(Err(skipped(BACKEND, first)));
+                continue;
+            }
+            let enqueued = match record_headers(event) {
+                Err(e) => Err(e),
+                Ok(headers) => {
+                    let mut record = record(event, headers);
+                    let started = Instant::now();
+                    loop {
+                        match slot.producer.send_result(record) {
+                            Ok(future) => break Ok(future),
+                            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                                if started.elapsed() < timeout =>
+                            {
+                                // librdkafka's queue is full: wait for the oldest delivery of
+                                // this batch (or a moment, as `send` does), then try again.
+                                record = back;
+                                match in_flight.pop_front() {
+                                    Some((j, f)) => delivered.push((j, f.await)),
+                                    None => tokio::time::sleep(Duration::from_millis(100)).await,
+                                }
+                            }
+                            Err((e, _)) => {
+                                break Err(error::convert(
+                                    &format!("publishing event {} to {}", event.id, event.destination),
+                                    e,
+                                ));
+                            }
+                        }
+                    }
+                }
+            };
+            match enqueued {
+                Ok(future) => in_flight.push_back((i, future)),
+                Err(e) => {
+                    if let Some(k) = event.key.as_deref() {
+                        failed.insert(k, event.id.to_string());
+                    }
+                    out[i] = Some(Err(e));
+                }
+            }
+        }
+        for (i, future) in in_flight {
+            delivered.push((i, future.await));
+        }
+        let fatal = slot.producer.client().fatal_error();
+        if let Some((code, reason)) = &fatal {
+            warn!(target: "outbox.kafka", %code, %reason, "fatal producer error; rebuilding the producer");
+            if let Err(e) = self.rebuild_producer(slot.generation) {
+                warn!(target: "outbox.kafka", error = %e, "rebuilding the producer failed");
+            }
+        }
+        for (i, result) in delivered {
+            let event = &events[i];
+            out[i] = Some(match result {
+                Ok(Ok(delivery)) => {
+                    debug!(target: "outbox.kafka", event = %event.id, topic = %event.destination,
+                        partition = delivery.partition, offset = delivery.offset, "published");
+                    Ok(())
+                }
+                Ok(Err((e, _))) => match &fatal {
+                    Some((code, reason)) => Err(Error::transient(
+                        ErrorKind::Rejected,
+                        BACKEND,
+                        format!("event {}: fatal producer error {code} ({reason}); producer rebuilt", event.id),
+                    )
+                    .with_source(e)),
+                    None => Err(error::convert(&format!("publishing event {} to {}", event.id, event.destination), e)),
+                },
+                Err(_canceled) => Err(Error::outcome_unknown(
+                    ErrorKind::Closed,
+                    BACKEND,
+                    format!("event {}: the producer went away before its delivery report", event.id),
+                )),
+            });
+        }
+        // A key stops at its first failure: its later events are reported `Skipped`, also when
+        // librdkafka delivered them (the relay re-offers them after the failed one).
+        let mut first_failure: HashMap<&str, String> = HashMap::new();
+        for (i, r) in out.iter_mut().enumerate() {
+            let Some(key) = events[i].key.as_deref() else { continue };
+            if let Some(first) = first_failure.get(key) {
+                if !matches!(r, Some(Err(e)) if e.kind() == ErrorKind::Skipped) {
+                    *r = Some(Err(skipped(BACKEND, first)));
+                }
+            } else if matches!(r, Some(Err(_)) | None) {
+                first_failure.insert(key, events[i].id.to_string());
+            }
+        }
+        out.into_iter().map(|r| r.unwrap_or_else(|| Err(skipped(BACKEND, "?")))).collect()
+    }
+}
+
 #[async_trait]
 impl Broker for KafkaBroker {
     fn backend(&self) -> &'static str {
@@ -217,25 +356,8 @@ impl Broker for KafkaBroker {
     }
 
     async fn publish(&self, event: &Event) -> Result<()> {
-        // Size is left to librdkafka (`message.max.bytes`) and the broker, which know the limit.
-        event.validate(usize::MAX)?;
-        if event.headers.contains_key(EVENT_ID_HEADER) {
-            return Err(Error::invalid_input(
-                BACKEND,
-                format!("event {}: header {EVENT_ID_HEADER:?} is reserved for the event id", event.id),
-            ));
-        }
-        let mut headers = OwnedHeaders::new_with_capacity(event.headers.len() + 1)
-            .insert(Header { key: EVENT_ID_HEADER, value: Some(event.id.as_str().as_bytes()) });
-        for (name, value) in &event.headers {
-            headers = headers.insert(Header { key: name.as_str(), value: Some(value.as_slice()) });
-        }
-        let mut record = FutureRecord::<[u8], [u8]>::to(event.destination.as_str())
-            .payload(event.payload.as_slice())
-            .headers(headers);
-        if let Some(key) = &event.key {
-            record = record.key(key.as_bytes());
-        }
+        let headers = record_headers(event)?;
+        let record = record(event, headers);
         let slot = self.producer();
         match slot.producer.send(record, Timeout::After(self.shared.config.delivery_timeout)).await {
             Ok(delivery) => {
@@ -258,6 +380,13 @@ impl Broker for KafkaBroker {
                 Err(err)
             }
         }
+    }
+
+    /// Every record of the batch handed to librdkafka first (in slice order), then every delivery
+    /// report awaited: many deliveries in flight, per-key order kept by the idempotent producer
+    /// (see the crate documentation, "Batching").
+    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
+        self.publish_events(events).await
     }
 
     /// Join `group` on `destination` with a consumer of its own. Creates the topic first if it

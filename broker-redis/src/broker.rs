@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_core::broker::skipped;
 use outbox_core::{Broker, ConsumerGroup, Destination, Error, Event, Result, Subscription};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Script, Value};
@@ -43,6 +44,7 @@ pub(crate) struct Inner {
     client: redis::Client,
     pub(crate) conn: ConnectionManager,
     publish: Script,
+    publish_batch: Script,
     pub(crate) nack: Script,
     aof: Mutex<Option<bool>>,
 }
@@ -96,6 +98,7 @@ impl RedisBroker {
                 client,
                 conn,
                 publish: Script::new(scripts::PUBLISH),
+                publish_batch: Script::new(scripts::PUBLISH_BATCH),
                 nack: Script::new(scripts::NACK),
                 aof: Mutex::new(None),
             }),
@@ -447,6 +450,187 @@ fn glob_escape(s: &str) -> String {
     out
 }
 
+/// Most events in one batch script.
+const BATCH_EVENTS: usize = 512;
+/// Field bytes above which a batch script is closed and the next one started.
+const BATCH_BYTES: usize = 4 << 20;
+
+/// What one event of a batch script reported.
+enum Outcome {
+    /// `{1, id, trimmed, over}` or `{0, id}`: the publish script's reply.
+    Replied(Vec<Value>),
+    /// `{-1, error text}`: this event failed; nothing was appended for it.
+    Failed(String),
+    /// `{-2}`: not attempted, an earlier event of its key failed in the script.
+    NotAttempted,
+}
+
+impl RedisBroker {
+    async fn publish_events(&self, events: &[Event]) -> Vec<Result<()>> {
+        let c = &self.inner.config;
+        let mut out: Vec<Option<Result<()>>> = (0..events.len()).map(|_| None).collect();
+        // Lane of each key (1-based; 0 = an event without a key, independent of all others),
+        // and the id of the event that failed first in each failed lane.
+        let mut lanes: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        let mut failed: std::collections::HashMap<usize, String> = std::collections::HashMap::new();
+        let lane_of_events: Vec<usize> = events
+            .iter()
+            .map(|e| match e.key.as_deref() {
+                None => 0,
+                Some(k) => {
+                    let next = lanes.len() + 1;
+                    *lanes.entry(k).or_insert(next)
+                }
+            })
+            .collect();
+        let mut start = 0;
+        while start < events.len() {
+            // Build one chunk: validated events, in slice order.
+            let mut inv = self.inner.publish_batch.prepare_invoke();
+            let window_ms = c.dedupe_window.map_or(0, |w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX).max(1));
+            inv.arg(window_ms).arg(c.max_len.unwrap_or(0)).arg(TRIM_BATCH);
+            let mut sent: Vec<usize> = Vec::new();
+            let mut bytes = 0;
+            let mut i = start;
+            while i < events.len() && sent.len() < BATCH_EVENTS && (sent.is_empty() || bytes < BATCH_BYTES) {
+                let event = &events[i];
+                let lane = lane_of_events[i];
+                i += 1;
+                if let Some(first) = failed.get(&lane).filter(|_| lane != 0) {
+                    out[i - 1] = Some(Err(skipped(BACKEND, first)));
+                    continue;
+                }
+                if let Err(e) = event.validate(c.max_payload) {
+                    out[i - 1] = Some(Err(e));
+                    if lane != 0 {
+                        failed.insert(lane, event.id.to_string());
+                    }
+                    continue;
+                }
+                let fields = codec::encode(event);
+                inv.key(self.stream_key(&event.destination)).key(self.dedupe_key(&event.destination, event));
+                inv.arg(lane).arg(fields.len() * 2);
+                for (f, v) in &fields {
+                    bytes += f.len() + v.len();
+                    inv.arg(f.as_slice()).arg(*v);
+                }
+                sent.push(i - 1);
+            }
+            start = i;
+            if sent.is_empty() {
+                continue;
+            }
+            let mut conn = self.inner.conn.clone();
+            let reply: redis::RedisResult<Value> = inv.invoke_async(&mut conn).await;
+            let outcomes =
+                reply.map_err(|e| map(e, Op::Write, "publish a batch")).and_then(|v| batch_reply(v, sent.len()));
+            match outcomes {
+                Err(err) => {
+                    // The script may or may not have run: every event of it gets the error.
+                    for &k in &sent {
+                        let event = &events[k];
+                        let stream = self.stream_key(&event.destination);
+                        out[k] = Some(Err(err.clone().with_operation(format!("publish {} to {stream}", event.id))));
+                        if lane_of_events[k] != 0 {
+                            failed.entry(lane_of_events[k]).or_insert_with(|| event.id.to_string());
+                        }
+                    }
+                }
+                Ok(outcomes) => {
+                    for (&k, outcome) in sent.iter().zip(outcomes) {
+                        let event = &events[k];
+                        let lane = lane_of_events[k];
+                        let stream = self.stream_key(&event.destination);
+                        let doing = || format!("publish {} to {stream}", event.id);
+                        let r = match outcome {
+                            Outcome::Replied(parts) => published(&stream, event, parts, &doing),
+                            Outcome::Failed(text) => Err(map(script_error(&text), Op::Write, &doing())),
+                            Outcome::NotAttempted => {
+                                Err(skipped(BACKEND, failed.get(&lane).map_or("?", String::as_str)))
+                            }
+                        };
+                        if r.is_err() && lane != 0 {
+                            failed.entry(lane).or_insert_with(|| event.id.to_string());
+                        }
+                        out[k] = Some(r);
+                    }
+                }
+            }
+        }
+        out.into_iter().map(|r| r.unwrap_or_else(|| Err(skipped(BACKEND, "?")))).collect()
+    }
+}
+
+/// Split a batch script's reply into one outcome per event.
+fn batch_reply(reply: Value, expected: usize) -> Result<Vec<Outcome>> {
+    let Value::Array(items) = reply else {
+        return Err(crate::error::corrupt("publish batch: the script's reply is not an array"));
+    };
+    if items.len() != expected {
+        return Err(crate::error::corrupt(format!(
+            "publish batch: the script replied for {} events, {expected} were sent",
+            items.len()
+        )));
+    }
+    items
+        .into_iter()
+        .map(|item| {
+            let Value::Array(parts) = item else {
+                return Err(crate::error::corrupt("publish batch: an event's reply is not an array"));
+            };
+            match parts.first() {
+                Some(Value::Int(-1)) => Ok(Outcome::Failed(
+                    parts.into_iter().nth(1).map(|v| string(v, "error text")).transpose()?.unwrap_or_default(),
+                )),
+                Some(Value::Int(-2)) => Ok(Outcome::NotAttempted),
+                _ => Ok(Outcome::Replied(parts)),
+            }
+        })
+        .collect()
+}
+
+/// A server error caught inside a script (`CODE detail`), as the error the command would have
+/// returned on its own.
+fn script_error(text: &str) -> redis::RedisError {
+    let text = text.trim();
+    let (code, detail) = text.split_once(' ').unwrap_or((text, ""));
+    if !code.is_empty() && code.bytes().all(|b| b.is_ascii_uppercase()) {
+        redis::make_extension_error(code.to_string(), Some(detail.to_string()))
+    } else {
+        redis::make_extension_error("ERR".to_string(), Some(text.to_string()))
+    }
+}
+
+/// Interpret the publish script's reply for `event`.
+fn published(stream: &str, event: &Event, parts: Vec<Value>, doing: &dyn Fn() -> String) -> Result<()> {
+    let mut parts = parts.into_iter();
+    let status = codec::int(parts.next().unwrap_or(Value::Nil), "publish status")?;
+    let id = parts.next().map(|v| string(v, "entry id")).transpose()?.unwrap_or_default();
+    if status == 0 {
+        debug!(backend = BACKEND, %stream, event_id = %event.id, entry = %id, "duplicate within the dedupe window; not appended");
+        return Ok(());
+    }
+    if status != 1 {
+        return Err(crate::error::corrupt(format!("{}: unexpected publish status {status}", doing())));
+    }
+    let mut count = |what| match parts.next() {
+        None | Some(Value::Nil) => Ok(0),
+        Some(v) => codec::int(v, what),
+    };
+    let trimmed = count("trimmed")?;
+    let over = count("over")?;
+    debug!(backend = BACKEND, %stream, event_id = %event.id, entry = %id, trimmed, "published");
+    if over > 0 {
+        debug!(
+            backend = BACKEND,
+            %stream,
+            over,
+            "stream is over max_len: the oldest entries are not acknowledged by every group yet"
+        );
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl Broker for RedisBroker {
     fn backend(&self) -> &'static str {
@@ -498,29 +682,14 @@ impl Broker for RedisBroker {
         let Value::Array(parts) = reply else {
             return Err(crate::error::corrupt(format!("{}: unexpected publish script reply", doing())));
         };
-        let mut parts = parts.into_iter();
-        let status = codec::int(parts.next().unwrap_or(Value::Nil), "publish status")?;
-        let id = parts.next().map(|v| string(v, "entry id")).transpose()?.unwrap_or_default();
-        if status == 0 {
-            debug!(backend = BACKEND, %stream, event_id = %event.id, entry = %id, "duplicate within the dedupe window; not appended");
-            return Ok(());
-        }
-        let mut count = |what| match parts.next() {
-            None | Some(Value::Nil) => Ok(0),
-            Some(v) => codec::int(v, what),
-        };
-        let trimmed = count("trimmed")?;
-        let over = count("over")?;
-        debug!(backend = BACKEND, %stream, event_id = %event.id, entry = %id, trimmed, "published");
-        if over > 0 {
-            debug!(
-                backend = BACKEND,
-                %stream,
-                over,
-                "stream is over max_len: the oldest entries are not acknowledged by every group yet"
-            );
-        }
-        Ok(())
+        published(&stream, event, parts, &doing)
+    }
+
+    /// One Lua script per chunk of the batch (up to 512 events or about 4 MiB of fields): a
+    /// single round trip, the events appended in slice order, and a key stopped at its first
+    /// failure inside the script (see the crate documentation, "Batching").
+    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
+        self.publish_events(events).await
     }
 
     async fn subscribe(&self, destination: &Destination, group: &ConsumerGroup) -> Result<Box<dyn Subscription>> {

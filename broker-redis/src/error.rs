@@ -60,6 +60,9 @@ fn classify(err: &RedisError, op: Op) -> (ErrorKind, Retry) {
             Some(ACL_CODE) => (K::Config, Retry::Permanent),
             Some("NOGROUP") => (K::Closed, Retry::Permanent),
             Some("BUSY") => (K::Busy, Retry::Transient),
+            // The same server errors, caught inside a batch script and rebuilt from their text.
+            Some("LOADING" | "TRYAGAIN" | "MASTERDOWN" | "CLUSTERDOWN") => (K::Busy, Retry::Transient),
+            Some("READONLY") => (K::Rejected, Retry::Transient),
             // Out of memory, or writes refused after a failed RDB save: nothing was written, and
             // the operator can fix it without us.
             Some("OOM" | "MISCONF") => (K::Rejected, Retry::Transient),

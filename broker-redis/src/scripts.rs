@@ -4,6 +4,10 @@
 //!   happen in one script, so two concurrent publishes of one id cannot both append; and the
 //!   trim decision reads the groups' progress and trims in the same atomic step, so no group can
 //!   be created or read past between the decision and the `XTRIM`.
+//! * Publish a batch: the events of a batch are appended in slice order by one script, so the
+//!   whole batch costs one round trip, and the script can stop a key at its first failure (a
+//!   pipeline of `XADD`s cannot: Redis runs every command of a pipeline whatever happened to the
+//!   ones before).
 //! * Nack: "give the entry back only if I still own it" is a read and a write on the pending
 //!   list that another consumer's `XAUTOCLAIM` must not split.
 //!
@@ -12,19 +16,12 @@
 //! it appends, and appends before it writes the dedupe mark: whatever fails, nothing is appended
 //! that the caller is told failed, and no mark exists for an entry that was not appended.
 
-/// `KEYS[1]` stream, `KEYS[2]` dedupe key.
-/// `ARGV[1]` mode (`publish` or `check`: only the permission checks), `ARGV[2]` dedupe window in
-/// ms (`0` = off), `ARGV[3]` max length (`0` = no trimming), `ARGV[4]` most entries trimmed per
-/// call, `ARGV[5..]` the entry's field/value pairs.
-///
-/// Returns `{1, new entry id, trimmed, still over max_len}` or `{0, id stored by the earlier
-/// publish}` for a duplicate within the window. Raises `OUTBOXACL …` before writing anything
-/// when the user may not run a command the configuration needs.
-pub(crate) const PUBLISH: &str = r#"
-local stream, dkey = KEYS[1], KEYS[2]
-local mode = ARGV[1]
-local window, maxlen, batch = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-
+/// The body shared by [`PUBLISH`] and [`PUBLISH_BATCH`]: one event's permission checks, dedupe
+/// check, trimming, append and dedupe mark.
+macro_rules! publish_one {
+    () => {
+        r#"
+local function publish_one(stream, dkey, mode, window, maxlen, batch, fields)
 local checks = {}
 if window > 0 then
   table.insert(checks, {'GET', dkey})
@@ -113,12 +110,69 @@ if maxlen > 0 then
   end
 end
 
-local id = redis.call('XADD', stream, '*', unpack(ARGV, 5))
+local id = redis.call('XADD', stream, '*', unpack(fields))
 if window > 0 then
   redis.call('SET', dkey, id, 'PX', window)
 end
 return {1, id, trimmed, over}
-"#;
+end
+"#
+    };
+}
+
+/// `KEYS[1]` stream, `KEYS[2]` dedupe key.
+/// `ARGV[1]` mode (`publish` or `check`: only the permission checks), `ARGV[2]` dedupe window in
+/// ms (`0` = off), `ARGV[3]` max length (`0` = no trimming), `ARGV[4]` most entries trimmed per
+/// call, `ARGV[5..]` the entry's field/value pairs.
+///
+/// Returns `{1, new entry id, trimmed, still over max_len}` or `{0, id stored by the earlier
+/// publish}` for a duplicate within the window. Raises `OUTBOXACL …` before writing anything
+/// when the user may not run a command the configuration needs.
+pub(crate) const PUBLISH: &str = concat!(
+    publish_one!(),
+    r#"
+return publish_one(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), {unpack(ARGV, 5)})
+"#
+);
+
+/// `KEYS[2i-1]` stream and `KEYS[2i]` dedupe key of the `i`-th event.
+/// `ARGV[1]` dedupe window in ms, `ARGV[2]` max length, `ARGV[3]` most entries trimmed per event,
+/// then per event: its lane (`0` = independent, else events of one key share a lane), the number
+/// `n` of field/value items, and the `n` items.
+///
+/// Publishes the events in order with [`PUBLISH`]'s logic, each under `pcall`. Once an event of
+/// a lane fails, the later events of that lane are not attempted. Returns one reply per event:
+/// `{1, id, trimmed, over}` appended, `{0, id}` duplicate within the window, `{-1, error text}`
+/// failed (nothing appended for it), `{-2}` not attempted.
+pub(crate) const PUBLISH_BATCH: &str = concat!(
+    publish_one!(),
+    r#"
+local window, maxlen, batch = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local failed, out = {}, {}
+local a, i = 4, 1
+while a <= #ARGV do
+  local lane, n = ARGV[a], tonumber(ARGV[a + 1])
+  local fields = {}
+  for j = 1, n do fields[j] = ARGV[a + 1 + j] end
+  a = a + 2 + n
+  if lane ~= '0' and failed[lane] then
+    out[i] = {-2}
+  else
+    local ok, r = pcall(publish_one, KEYS[2 * i - 1], KEYS[2 * i], 'publish', window, maxlen, batch, fields)
+    if ok and type(r) == 'table' and r.err == nil then
+      out[i] = r
+    else
+      local text
+      if type(r) == 'table' and r.err then text = r.err else text = tostring(r) end
+      out[i] = {-1, text}
+      if lane ~= '0' then failed[lane] = true end
+    end
+  end
+  i = i + 1
+end
+return out
+"#
+);
 
 /// `KEYS[1]` stream; `ARGV[1]` group, `ARGV[2]` consumer, `ARGV[3]` entry id, `ARGV[4]` idle ms.
 ///

@@ -434,6 +434,55 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "claim_key_order_takes_a_prefix_per_key",
+            class: "OutboxStore::claim",
+            property: "key order: a keyed row is claimed only with every earlier unpublished row of its key; a row \
+                       that backs off or is leased by another relay holds back only the later rows of its key, \
+                       other keys and rows without a key keep flowing",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "claim_key_order_holds_under_concurrent_claims",
+            class: "OutboxStore::claim",
+            property: "key order under claimers running at once (leases held): the rows of a key are taken by one \
+                       claim, as a prefix starting at the key's oldest row",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "claim_key_order_failed_head_holds_back_its_key_across_batches",
+            class: "OutboxStore::claim",
+            property: "a failed publish of a key's head (backing off) holds back the key's later rows in the next \
+                       batches while another key flows; after a full drain the broker has each key in row order",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "claim_key_order_two_relays_first_offers_follow_row_order",
+            class: "OutboxStore::claim",
+            property: "two relays with small batches over many keys, one holding a publish while the other runs: \
+                       per key, the first offers on the broker follow row order",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "claim_parked_head_blocks_its_key_by_default",
+            class: "OutboxStore::claim",
+            property: "a parked head row holds back the later rows of its key (ParkedHead::Block, the default) \
+                       while other keys flow; requeued, it is the head again and the key drains in row order",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "claim_parked_head_is_skipped_when_configured",
+            class: "OutboxStore::claim",
+            property: "with ParkedHead::Skip a parked row is passed over and its key flows on; requeued, it is its \
+                       key's head again and holds back the rows after it",
+            needs: &[Capability::ParkedHeadSkip],
+            body: Function,
+        },
+        Case {
             name: "permutations",
             class: "permutations",
             property: "interleavings with crashes, expiries and lost acks: no lost, duplicated, ghost or stale",
@@ -490,7 +539,7 @@ pub enum CaseResult {
 }
 
 impl CaseResult {
-    fn fail(case: &str, path: &str, msg: impl Into<String>) -> Self {
+    pub(crate) fn fail(case: &str, path: &str, msg: impl Into<String>) -> Self {
         Self::Failed(Box::new(Counterexample {
             case: case.into(),
             seed: None,
@@ -630,6 +679,18 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_fail_backoff_park_requeue_purge" => store_fail_backoff_park_requeue_purge(harness).await,
             "store_enqueue_rejects_bad_batches" => store_enqueue_rejects_bad_batches(harness).await,
             "store_stats" => store_stats(harness).await,
+            "claim_key_order_takes_a_prefix_per_key" => crate::order::takes_a_prefix_per_key(harness).await,
+            "claim_key_order_holds_under_concurrent_claims" => {
+                crate::order::holds_under_concurrent_claims(harness).await
+            }
+            "claim_key_order_failed_head_holds_back_its_key_across_batches" => {
+                crate::order::failed_head_holds_back_its_key(harness, engines).await
+            }
+            "claim_key_order_two_relays_first_offers_follow_row_order" => {
+                crate::order::two_relays_first_offers_follow_row_order(harness, engines).await
+            }
+            "claim_parked_head_blocks_its_key_by_default" => crate::order::parked_head_blocks(harness, engines).await,
+            "claim_parked_head_is_skipped_when_configured" => crate::order::parked_head_skipped(harness, engines).await,
             "foreign_message_is_handed_out_not_an_error" => foreign_messages_mixed(harness, engines).await,
             "foreign_message_is_unacknowledged_until_settled" => {
                 foreign_message_unacknowledged_until_recorded(harness, engines).await
@@ -1307,11 +1368,11 @@ async fn store_stats<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
 
 /// How long a case waits for a relay to do what it was asked (start a publish, stop after
 /// shutdown) before failing with a message.
-const RELAY_WAIT: Duration = Duration::from_secs(30);
+pub(crate) const RELAY_WAIT: Duration = Duration::from_secs(30);
 
 /// The relay configuration of the relay cases: no backoff (a failed row is due again at once),
 /// several lanes in flight, the suite's lease.
-fn relay_config(owner: &str) -> RelayConfig {
+pub(crate) fn relay_config(owner: &str) -> RelayConfig {
     RelayConfig::default()
         .with_owner(owner)
         .with_batch_size(64)
@@ -1325,13 +1386,23 @@ fn relay_config(owner: &str) -> RelayConfig {
 
 /// A fixture, its clock, and `keys.len()` events enqueued (in one transaction) with those keys,
 /// after the suite's group was declared (so that it receives all of them).
-async fn keyed_fixture<H: Harness>(
+pub(crate) async fn keyed_fixture<H: Harness>(
     h: &H,
     case: &str,
     keys: &[&str],
 ) -> outbox_core::Result<(crate::harness::Fixture<H::Inbox>, ManualClock, Vec<Event>)> {
+    keyed_fixture_with(h, case, keys, outbox_core::ParkedHead::Block).await
+}
+
+/// [`keyed_fixture`] on a store configured with `parked_head`.
+pub(crate) async fn keyed_fixture_with<H: Harness>(
+    h: &H,
+    case: &str,
+    keys: &[&str],
+    parked_head: outbox_core::ParkedHead,
+) -> outbox_core::Result<(crate::harness::Fixture<H::Inbox>, ManualClock, Vec<Event>)> {
     let clock = ManualClock::default();
-    let fx = h.fixture(case, clock.clone()).await?;
+    let fx = h.fixture_with_parked_head(case, clock.clone(), parked_head).await?;
     fx.broker.declare(&fx.destination, &[suite_group()]).await?;
     let tag = crate::world::unique_tag();
     let events: Vec<Event> = keys
@@ -1346,11 +1417,11 @@ async fn keyed_fixture<H: Harness>(
     Ok((fx, clock, events))
 }
 
-fn row_of<'a>(rows: &'a [RowSnapshot], e: &Event) -> Option<&'a RowSnapshot> {
+pub(crate) fn row_of<'a>(rows: &'a [RowSnapshot], e: &Event) -> Option<&'a RowSnapshot> {
     rows.iter().find(|r| r.event.id == e.id)
 }
 
-fn describe(r: &RowSnapshot) -> String {
+pub(crate) fn describe(r: &RowSnapshot) -> String {
     format!(
         "{} {:?} attempts={} token={} owner={:?} published_token={:?}",
         r.event.id, r.status, r.attempts, r.token, r.owner, r.published_token
@@ -1359,7 +1430,7 @@ fn describe(r: &RowSnapshot) -> String {
 
 /// Receive and acknowledge until every id of `want` arrived (or nothing more comes within the
 /// backend's delivery wait); returns everything received, in order.
-async fn receive_ids(
+pub(crate) async fn receive_ids(
     sub: &mut dyn outbox_core::Subscription,
     want: &[EventId],
     wait: Duration,
@@ -1377,7 +1448,7 @@ async fn receive_ids(
 
 /// Where each key's events first appear in `received` is out of row order: `(key, expected,
 /// received)` for the first such key.
-fn key_order_broken(events: &[Event], received: &[Event]) -> Option<(String, Vec<EventId>, Vec<EventId>)> {
+pub(crate) fn key_order_broken(events: &[Event], received: &[Event]) -> Option<(String, Vec<EventId>, Vec<EventId>)> {
     let mut keys: Vec<&String> = events.iter().filter_map(|e| e.key.as_ref()).collect();
     keys.dedup();
     let keys: BTreeSet<&String> = keys.into_iter().collect();

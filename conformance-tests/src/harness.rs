@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryOutbox};
-use outbox_core::{Broker, Destination, EventId, Inbox, Malformed, ManualClock, OutboxAdmin, Result};
+use outbox_core::{
+    Broker, Destination, Error, ErrorKind, EventId, Inbox, Malformed, ManualClock, OutboxAdmin, ParkedHead, Result,
+};
 
 use crate::reference::{MemoryEffects, memory_capabilities};
 
@@ -57,6 +59,9 @@ pub enum Capability {
     /// The harness can write messages that are not readable outbox events
     /// ([`ForeignWriter`]), bypassing the adapter's encoding.
     ForeignMessages,
+    /// The harness can build a fixture whose store passes over parked rows
+    /// ([`ParkedHead::Skip`], through [`Harness::fixture_with_parked_head`]).
+    ParkedHeadSkip,
 }
 
 impl Capability {
@@ -85,6 +90,7 @@ impl fmt::Display for Capability {
             Self::RedeliveryInfo => "redelivery-info",
             Self::Nack => "nack",
             Self::ForeignMessages => "foreign-messages",
+            Self::ParkedHeadSkip => "parked-head-skip",
         })
     }
 }
@@ -292,6 +298,32 @@ pub trait Harness: Send + Sync + 'static {
 
     /// Fresh, isolated components for the case `case`.
     async fn fixture(&self, case: &str, clock: ManualClock) -> Result<Fixture<Self::Inbox>>;
+
+    /// [`fixture`](Harness::fixture) with the store configured to treat a parked head row as
+    /// `parked_head` (see [`OutboxStore::claim`](outbox_core::OutboxStore::claim)).
+    ///
+    /// The default serves [`ParkedHead::Block`] (every store's default) with `fixture` and
+    /// refuses `Skip`; a harness that can configure it overrides this and declares
+    /// [`Capability::ParkedHeadSkip`].
+    async fn fixture_with_parked_head(
+        &self,
+        case: &str,
+        clock: ManualClock,
+        parked_head: ParkedHead,
+    ) -> Result<Fixture<Self::Inbox>> {
+        match parked_head {
+            ParkedHead::Block => self.fixture(case, clock).await,
+            ParkedHead::Skip => Err(cannot_skip(&self.name())),
+        }
+    }
+}
+
+fn cannot_skip(name: &str) -> Error {
+    Error::permanent(
+        ErrorKind::Rejected,
+        "suite",
+        format!("{name} cannot configure ParkedHead::Skip (it does not declare the parked-head-skip capability)"),
+    )
 }
 
 /// The store half of a fixture: the producer's outbox and the consumer's inbox with its effect
@@ -359,6 +391,27 @@ pub trait StoreHarness: Send + Sync + 'static {
 
     /// Fresh, isolated store components for the case `case`, taking time from `clock`.
     async fn fixture(&self, case: &str, clock: ManualClock) -> Result<StoreFixture<Self::Inbox>>;
+
+    /// Whether [`fixture_with_parked_head`](StoreHarness::fixture_with_parked_head) can build a
+    /// store that passes over parked rows ([`ParkedHead::Skip`]); [`Combined`] then declares
+    /// [`Capability::ParkedHeadSkip`]. `false` by default.
+    fn configures_parked_head(&self) -> bool {
+        false
+    }
+
+    /// [`fixture`](StoreHarness::fixture) with the outbox treating a parked head row as
+    /// `parked_head`. The default serves `Block` with `fixture` and refuses `Skip`.
+    async fn fixture_with_parked_head(
+        &self,
+        case: &str,
+        clock: ManualClock,
+        parked_head: ParkedHead,
+    ) -> Result<StoreFixture<Self::Inbox>> {
+        match parked_head {
+            ParkedHead::Block => self.fixture(case, clock).await,
+            ParkedHead::Skip => Err(cannot_skip(&self.name())),
+        }
+    }
 }
 
 /// The broker side of a backend under test.
@@ -427,7 +480,10 @@ impl<S: StoreHarness, B: BrokerHarness> Harness for Combined<S, B> {
     }
 
     fn capabilities(&self) -> Capabilities {
-        let broker = self.broker.capabilities();
+        let mut broker = self.broker.capabilities();
+        if self.store.configures_parked_head() && !broker.has(Capability::ParkedHeadSkip) {
+            broker.present.push(Capability::ParkedHeadSkip);
+        }
         Capabilities {
             exhaustive: broker.exhaustive && self.store.exhaustive(),
             sampled_iterations: self
@@ -438,7 +494,16 @@ impl<S: StoreHarness, B: BrokerHarness> Harness for Combined<S, B> {
     }
 
     async fn fixture(&self, case: &str, clock: ManualClock) -> Result<Fixture<Self::Inbox>> {
-        let store = self.store.fixture(case, clock).await?;
+        self.fixture_with_parked_head(case, clock, ParkedHead::Block).await
+    }
+
+    async fn fixture_with_parked_head(
+        &self,
+        case: &str,
+        clock: ManualClock,
+        parked_head: ParkedHead,
+    ) -> Result<Fixture<Self::Inbox>> {
+        let store = self.store.fixture_with_parked_head(case, clock, parked_head).await?;
         let broker = self.broker.fixture(case).await?;
         Ok(Fixture {
             store: store.store,
@@ -470,10 +535,23 @@ impl StoreHarness for MemoryStoreHarness {
         true
     }
 
-    async fn fixture(&self, _case: &str, clock: ManualClock) -> Result<StoreFixture<MemoryInbox>> {
+    async fn fixture(&self, case: &str, clock: ManualClock) -> Result<StoreFixture<MemoryInbox>> {
+        self.fixture_with_parked_head(case, clock, ParkedHead::Block).await
+    }
+
+    fn configures_parked_head(&self) -> bool {
+        true
+    }
+
+    async fn fixture_with_parked_head(
+        &self,
+        _case: &str,
+        clock: ManualClock,
+        parked_head: ParkedHead,
+    ) -> Result<StoreFixture<MemoryInbox>> {
         let inbox = MemoryInbox::new(Arc::new(clock.clone()));
         Ok(StoreFixture::new(
-            Arc::new(MemoryOutbox::new(Arc::new(clock))),
+            Arc::new(MemoryOutbox::new(Arc::new(clock)).with_parked_head(parked_head)),
             inbox.clone(),
             Arc::new(MemoryEffects(inbox)),
         ))
@@ -530,9 +608,12 @@ mod tests {
         assert_eq!(fast.name(), "memory store + memory inbox + memory broker");
         let caps = fast.capabilities();
         assert!(caps.exhaustive);
-        assert_eq!(caps.present, memory_capabilities().present);
+        let mut want = memory_capabilities().present;
+        want.push(Capability::ParkedHeadSkip);
+        assert_eq!(caps.present, want);
         let slow = Combined::new(Slow, MemoryBrokerHarness);
         assert!(!slow.capabilities().exhaustive);
+        assert!(!slow.capabilities().has(Capability::ParkedHeadSkip), "Slow cannot configure the parked head");
         assert_eq!(slow.capabilities().sampled_iterations, 7);
         assert_eq!(slow.with_sampled_iterations(3).capabilities().sampled_iterations, 3);
     }

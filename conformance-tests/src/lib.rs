@@ -8,6 +8,7 @@ pub mod faults;
 pub mod harness;
 pub mod invariants;
 pub mod mutants;
+mod order;
 pub mod reference;
 pub mod runner;
 pub mod script;

@@ -16,8 +16,8 @@ use outbox_core::store::all_rows;
 use outbox_core::{
     Acknowledge, BatchReport, Broker, Claimed, Completion, ConsumerGroup, DeadLetter, DeadLetterReason, Delivery,
     Destination, Error, ErrorKind, Event, EventId, Fingerprint, ForeignDelivery, Inbox, InboxAdmin, Lease, LedgerState,
-    ManualClock, MarkOutcome, Marker, OutboxAdmin, OutboxStats, OutboxStore, Outcome, ParkedRow, Received, RelayConfig,
-    Result, Retry, RowId, RowSnapshot, RowStatus, Subscription, VersionOutcome,
+    ManualClock, MarkOutcome, Marker, OutboxAdmin, OutboxStats, OutboxStore, Outcome, ParkedHead, ParkedRow, Received,
+    RelayConfig, Result, Retry, RowId, RowSnapshot, RowStatus, Subscription, VersionOutcome,
 };
 use tokio::sync::Notify;
 
@@ -40,6 +40,12 @@ pub enum Mutant {
     ClaimIgnoresExpiry,
     /// Claim that does not increment the token.
     ClaimKeepsToken,
+    /// Claim that ignores key order: any due, unleased row is claimable, whatever earlier rows
+    /// of its key are doing (the claim before issue 16).
+    ClaimIgnoresKeyOrder,
+    /// Claim that passes over a parked head row although the store is configured to block
+    /// ([`ParkedHead::Block`]).
+    ClaimSkipsParkedHead,
     /// Rows marked published when claimed, before anything is sent.
     PublishedOnClaim,
     /// The inbox marker committed in its own transaction, before the effect.
@@ -79,10 +85,12 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 19] = [
+    pub const ALL: [Mutant; 21] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
+        Mutant::ClaimIgnoresKeyOrder,
+        Mutant::ClaimSkipsParkedHead,
         Mutant::PublishedOnClaim,
         Mutant::MarkerFirst,
         Mutant::EffectFirst,
@@ -139,6 +147,8 @@ impl fmt::Display for Mutant {
             Self::NoFencing => "completion without the token check",
             Self::ClaimIgnoresExpiry => "claim that ignores lease expiry",
             Self::ClaimKeepsToken => "claim that does not increment the token",
+            Self::ClaimIgnoresKeyOrder => "claim that ignores key order (a later row overtakes its key's head)",
+            Self::ClaimSkipsParkedHead => "claim that passes over a parked head under ParkedHead::Block",
             Self::PublishedOnClaim => "mark published before publishing",
             Self::MarkerFirst => "marker and effect in separate transactions (marker first)",
             Self::EffectFirst => "marker and effect in separate transactions (effect first)",
@@ -164,9 +174,23 @@ struct MutantStore {
     inner: MemoryOutbox,
     mode: Mutant,
     first_tokens: Mutex<std::collections::HashMap<RowId, u64>>,
+    /// [`Mutant::ClaimIgnoresKeyOrder`]: the keys of the events, stored without them in `inner`
+    /// (so its claim sees no key) and put back on everything read out.
+    keys: Mutex<std::collections::HashMap<EventId, String>>,
 }
 
 impl MutantStore {
+    fn new(inner: MemoryOutbox, mode: Mutant) -> Self {
+        Self { inner, mode, first_tokens: Mutex::default(), keys: Mutex::default() }
+    }
+
+    /// Put back the key [`Mutant::ClaimIgnoresKeyOrder`] kept from the inner store.
+    fn rekey(&self, event: &mut Event) {
+        if let Some(k) = lock(&self.keys).get(&event.id) {
+            event.key = Some(k.clone());
+        }
+    }
+
     async fn row(&self, row: RowId) -> Result<Option<RowSnapshot>> {
         Ok(self.inner.inspect(row - 1, 1).await?.into_iter().find(|r| r.row_id == row))
     }
@@ -199,7 +223,18 @@ impl OutboxStore for MutantStore {
     }
 
     async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
-        self.inner.enqueue(events).await
+        if self.mode != Mutant::ClaimIgnoresKeyOrder {
+            return self.inner.enqueue(events).await;
+        }
+        let keyless: Vec<Event> = events.iter().map(|e| Event { key: None, ..e.clone() }).collect();
+        let ids = self.inner.enqueue(&keyless).await?;
+        let mut keys = lock(&self.keys);
+        for e in events {
+            if let Some(k) = &e.key {
+                keys.insert(e.id.clone(), k.clone());
+            }
+        }
+        Ok(ids)
     }
 
     async fn claim(&self, owner: &str, limit: usize, lease: Duration) -> Result<Vec<Claimed>> {
@@ -226,6 +261,9 @@ impl OutboxStore for MutantStore {
                 }
             }
             _ => {}
+        }
+        for c in &mut claimed {
+            self.rekey(&mut c.record.event);
         }
         Ok(claimed)
     }
@@ -281,7 +319,11 @@ impl OutboxStore for MutantStore {
 #[async_trait]
 impl OutboxAdmin for MutantStore {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
-        self.inner.list_parked(limit).await
+        let mut rows = self.inner.list_parked(limit).await?;
+        for r in &mut rows {
+            self.rekey(&mut r.record.event);
+        }
+        Ok(rows)
     }
 
     async fn requeue_parked(&self, rows: &[RowId]) -> Result<u64> {
@@ -297,7 +339,11 @@ impl OutboxAdmin for MutantStore {
     }
 
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {
-        self.inner.inspect(after, limit).await
+        let mut rows = self.inner.inspect(after, limit).await?;
+        for r in &mut rows {
+            self.rekey(&mut r.event);
+        }
+        Ok(rows)
     }
 }
 
@@ -492,13 +538,25 @@ impl Harness for MutantHarness {
     }
 
     fn capabilities(&self) -> Capabilities {
-        memory_capabilities()
+        let mut caps = memory_capabilities();
+        caps.present.push(crate::harness::Capability::ParkedHeadSkip);
+        caps
     }
 
-    async fn fixture(&self, _case: &str, clock: ManualClock) -> Result<Fixture<MutantInbox>> {
+    async fn fixture(&self, case: &str, clock: ManualClock) -> Result<Fixture<MutantInbox>> {
+        self.fixture_with_parked_head(case, clock, ParkedHead::Block).await
+    }
+
+    async fn fixture_with_parked_head(
+        &self,
+        _case: &str,
+        clock: ManualClock,
+        parked_head: ParkedHead,
+    ) -> Result<Fixture<MutantInbox>> {
         let mode = self.0;
         let memory = MemoryInbox::new(Arc::new(clock.clone()));
-        let store = MutantStore { inner: MemoryOutbox::new(Arc::new(clock)), mode, first_tokens: Mutex::default() };
+        let parked_head = if mode == Mutant::ClaimSkipsParkedHead { ParkedHead::Skip } else { parked_head };
+        let store = MutantStore::new(MemoryOutbox::new(Arc::new(clock)).with_parked_head(parked_head), mode);
         let mem = MemoryBroker::new();
         let mut foreign: Arc<dyn ForeignWriter> = Arc::new(MemoryForeign(mem.clone()));
         let broker: Arc<dyn Broker> = match mode {

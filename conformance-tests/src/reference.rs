@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::memory::{MemoryBroker, MemoryInbox, MemoryOutbox, MemoryTx};
-use outbox_core::{Destination, Error, ErrorKind, EventId, ManualClock, Result};
+use outbox_core::{Destination, Error, ErrorKind, EventId, ManualClock, ParkedHead, Result};
 
 use crate::harness::{Capabilities, Capability, EffectRow, EffectTable, Fixture, Harness};
 
@@ -76,14 +76,25 @@ impl Harness for MemoryHarness {
     }
 
     fn capabilities(&self) -> Capabilities {
-        memory_capabilities()
+        let mut caps = memory_capabilities();
+        caps.present.push(Capability::ParkedHeadSkip);
+        caps
     }
 
-    async fn fixture(&self, _case: &str, clock: ManualClock) -> Result<Fixture<MemoryInbox>> {
+    async fn fixture(&self, case: &str, clock: ManualClock) -> Result<Fixture<MemoryInbox>> {
+        self.fixture_with_parked_head(case, clock, ParkedHead::Block).await
+    }
+
+    async fn fixture_with_parked_head(
+        &self,
+        _case: &str,
+        clock: ManualClock,
+        parked_head: ParkedHead,
+    ) -> Result<Fixture<MemoryInbox>> {
         let inbox = MemoryInbox::new(Arc::new(clock.clone()));
         let broker = MemoryBroker::new();
         let mut fx = Fixture::new(
-            Arc::new(MemoryOutbox::new(Arc::new(clock))),
+            Arc::new(MemoryOutbox::new(Arc::new(clock)).with_parked_head(parked_head)),
             Arc::new(broker.clone()),
             inbox.clone(),
             Arc::new(MemoryEffects(inbox)),

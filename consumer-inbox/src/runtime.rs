@@ -15,15 +15,18 @@
 //! A message that is not an outbox event ([`Received::Foreign`]) takes the same path in one
 //! step: its dead letter ([`DeadLetterReason::Malformed`]) is written and committed, and only
 //! then is it acknowledged; the consumer goes on with the next message at once.
+//!
+//! Every delivery runs inside one span ([`outbox_core::telemetry::handle_span`]) from the guard
+//! to the acknowledgement, so a trace that began at enqueue continues through its effect.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use outbox_core::{
     Acknowledge, DeadLetter, DeadLetterReason, Delivery, Error, ErrorKind, Event, EventId, Fingerprint,
     ForeignDelivery, Inbox, LedgerState, Malformed, MarkOutcome, Received, Result, Subscription, VersionOutcome,
 };
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use crate::effect::{EffectKind, Handler};
 use crate::retention::Retention;
@@ -43,12 +46,51 @@ pub struct ConsumerConfig {
     pub receive_wait: Duration,
     /// Marker retention, checked at construction; `None` keeps markers forever.
     pub retention: Option<Retention>,
+    /// Deliveries [`Consumer::run`] and [`Consumer::drain`] hold at once (handling, or waiting
+    /// behind an earlier delivery of the same key); at least 1. Default
+    /// [`DEFAULT_MAX_IN_FLIGHT`].
+    pub max_in_flight: usize,
+    /// How long [`Consumer::run`] lets running deliveries finish after shutdown; what is still
+    /// running then is dropped unacknowledged (rolled back, redelivered). Default 10 s.
+    pub shutdown_grace: Duration,
 }
+
+/// Default [`ConsumerConfig::max_in_flight`]: 8.
+///
+/// Enough to hide the round trips of one delivery (begin, guard, effect, commit on the store;
+/// the acknowledgement on the broker) behind each other; below the PostgreSQL store's default
+/// pool of 10 connections (each running delivery holds one for its transaction, so the pool is
+/// not exhausted by the consumer alone) and below RabbitMQ's default prefetch of 32; and it
+/// bounds what a crash hands back for redelivery to 8 deliveries.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 8;
 
 impl ConsumerConfig {
     /// Defaults (5 attempts, markers kept forever) with a name.
     pub fn new(name: impl Into<String>) -> Self {
-        Self { name: name.into(), max_attempts: 5, receive_wait: Duration::from_millis(500), retention: None }
+        Self {
+            name: name.into(),
+            max_attempts: 5,
+            receive_wait: Duration::from_millis(500),
+            retention: None,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+
+    /// Set [`max_in_flight`](Self::max_in_flight); 0 is taken as 1. With 1 the consumer handles
+    /// one delivery at a time, in receive order, and receives the next only after the previous
+    /// was acknowledged.
+    #[must_use]
+    pub fn with_max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n.max(1);
+        self
+    }
+
+    /// Set [`shutdown_grace`](Self::shutdown_grace).
+    #[must_use]
+    pub fn with_shutdown_grace(mut self, grace: Duration) -> Self {
+        self.shutdown_grace = grace;
+        self
     }
 
     /// Set [`max_attempts`](Self::max_attempts).
@@ -154,6 +196,7 @@ impl<I, H> Clone for Consumer<I, H> {
 impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
     /// A consumer over `inbox` running `handler`.
     pub fn new(inbox: I, handler: H, config: ConsumerConfig) -> Self {
+        crate::observe::describe();
         Self { inner: Arc::new(Inner { inbox, handler, config }) }
     }
 
@@ -173,6 +216,8 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
         let (event, acker) = delivery.into_parts();
         InFlight {
             consumer: self.clone(),
+            span: outbox_core::telemetry::handle_span(&self.inner.config.name, &event),
+            started: Instant::now(),
             event,
             acker: Some(acker),
             redelivered,
@@ -213,8 +258,16 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
     /// Only an acknowledgement error. A store failure negatively acknowledges the message (it
     /// comes back and is recorded then) and returns [`Handled::Retry`].
     pub async fn process_foreign(&self, foreign: ForeignDelivery) -> Result<Handled> {
-        let name = self.inner.config.name.as_str();
+        let started = Instant::now();
         let (event, lost) = foreign.message.to_event();
+        let span = outbox_core::telemetry::handle_span(&self.inner.config.name, &event);
+        let outcome = self.record_foreign(foreign, event, lost).instrument(span).await;
+        crate::observe::record(&self.inner.config.name, &outcome, started.elapsed());
+        outcome
+    }
+
+    async fn record_foreign(&self, foreign: ForeignDelivery, event: Event, lost: Vec<String>) -> Result<Handled> {
+        let name = self.inner.config.name.as_str();
         let mut error = foreign.describe();
         if !lost.is_empty() {
             error.push_str("; not kept as they were: ");
@@ -268,42 +321,47 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
         }
     }
 
-    /// Process deliveries from `subscription` until none arrives within `idle`. Returns what
-    /// happened to each, in order. Messages that are not events are recorded and acknowledged
-    /// ([`Handled::Malformed`]) and the drain goes on.
+    /// Process deliveries from `subscription` until none arrives within `idle` and none is
+    /// held. Returns what happened to each, in receive order. Messages that are not events are
+    /// recorded and acknowledged ([`Handled::Malformed`]) and the drain goes on.
+    ///
+    /// # Behavior
+    /// - up to [`max_in_flight`](ConsumerConfig::max_in_flight) deliveries at once; deliveries
+    ///   with the same event key (keyless: the same event id) one after the other in receive
+    ///   order, each starting only after the one before it was acknowledged or negatively
+    ///   acknowledged; different keys concurrently;
+    /// - every delivery goes guard → effect → commit → acknowledge, the acknowledgement only
+    ///   after the commit;
+    /// - it ends when a receive of `idle` brought nothing while nothing was held and nothing
+    ///   settled during that receive (a negative acknowledgement hands the delivery back, and
+    ///   the drain receives it again);
+    /// - on a subscription or acknowledgement error it stops receiving, lets the running
+    ///   deliveries finish, leaves the waiting ones unacknowledged and returns the first error.
     ///
     /// # Errors
     /// A subscription or acknowledgement error.
     pub async fn drain(&self, subscription: &mut dyn Subscription, idle: Duration) -> Result<Vec<Handled>> {
-        let mut out = Vec::new();
-        while let Some(r) = subscription.receive(idle).await? {
-            out.push(self.handle(r).await?);
-        }
-        Ok(out)
+        crate::pump::pump(self, subscription, crate::pump::Until::Idle(idle)).await
     }
 
-    /// Process deliveries until `shutdown` is triggered. A message that is not an event is
-    /// recorded and acknowledged like any other delivery, without a pause; subscription errors
-    /// are logged and retried after `receive_wait`.
+    /// Process deliveries until `shutdown` is triggered.
+    ///
+    /// # Behavior
+    /// - concurrency and per-key order as in [`drain`](Self::drain);
+    /// - a message that is not an event is recorded and acknowledged like any other delivery,
+    ///   without a pause;
+    /// - subscription errors are logged and the next receive waits `receive_wait` first;
+    ///   acknowledgement errors are logged (the broker redelivers; the inbox absorbs it);
+    /// - shutdown is noticed between receives (within `receive_wait`): no new receive starts,
+    ///   deliveries waiting behind their key are not started, running ones get
+    ///   [`shutdown_grace`](ConsumerConfig::shutdown_grace) to finish; whatever is unfinished is
+    ///   dropped unacknowledged (its transaction rolls back) and comes back from the broker.
+    ///   A receive in progress is awaited, never cancelled.
     ///
     /// # Errors
     /// None today; the signature leaves room for fatal errors.
     pub async fn run(&self, subscription: &mut dyn Subscription, shutdown: &outbox_core::Shutdown) -> Result<()> {
-        while !shutdown.is_triggered() {
-            match subscription.receive(self.inner.config.receive_wait).await {
-                Ok(Some(r)) => {
-                    if let Err(e) = self.handle(r).await {
-                        warn!(target: "outbox.consumer", consumer = %self.inner.config.name, error = %e, "acknowledgement failed; the broker will redeliver");
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    warn!(target: "outbox.consumer", consumer = %self.inner.config.name, error = %e, "receive failed");
-                    tokio::time::sleep(self.inner.config.receive_wait).await;
-                }
-            }
-        }
-        Ok(())
+        crate::pump::pump(self, subscription, crate::pump::Until::Shutdown(shutdown)).await.map(|_| ())
     }
 
     /// Delete markers older than the configured retention.
@@ -336,6 +394,9 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
 /// acknowledged, returns to the broker when its subscription goes away.
 pub struct InFlight<I: Inbox, H> {
     consumer: Consumer<I, H>,
+    /// The delivery's span: every step runs in it.
+    span: tracing::Span,
+    started: Instant,
     event: Event,
     acker: Option<Box<dyn Acknowledge>>,
     /// The broker's redelivered flag.
@@ -393,9 +454,14 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// Store errors; the delivery will then be negatively acknowledged.
     /// [`ErrorKind::InvalidInput`] when called more than once.
     pub async fn guard(&mut self) -> Result<()> {
-        self.enter("guard", Stage::Received, Stage::Guarded)?;
-        let r = self.guard_inner().await;
-        r.map_err(|e| self.retry(0, &e))
+        let span = self.span.clone();
+        async {
+            self.enter("guard", Stage::Received, Stage::Guarded)?;
+            let r = self.guard_inner().await;
+            r.map_err(|e| self.retry(0, &e))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn guard_inner(&mut self) -> Result<()> {
@@ -459,6 +525,11 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// event), or a store error; [`ErrorKind::InvalidInput`] when not called right after
     /// [`guard`](InFlight::guard).
     pub async fn apply(&mut self) -> Result<()> {
+        let span = self.span.clone();
+        self.apply_inner().instrument(span).await
+    }
+
+    async fn apply_inner(&mut self) -> Result<()> {
         self.enter("apply", Stage::Guarded, Stage::Applied)?;
         if self.verdict.is_some() {
             return Ok(());
@@ -524,6 +595,11 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// be negatively acknowledged and its redelivery finds the marker or applies once;
     /// [`ErrorKind::InvalidInput`] when not called right after [`apply`](InFlight::apply).
     pub async fn commit(&mut self) -> Result<()> {
+        let span = self.span.clone();
+        self.commit_inner().instrument(span).await
+    }
+
+    async fn commit_inner(&mut self) -> Result<()> {
         self.enter("commit", Stage::Applied, Stage::Committed)?;
         let Some(tx) = self.tx.take() else { return Ok(()) };
         match self.consumer.inner.inbox.commit(tx).await {
@@ -541,9 +617,19 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// Called after [`commit`](InFlight::commit); calling it earlier is treated as a failure
     /// and negatively acknowledges, so an acknowledgement can never precede the commit.
     ///
+    /// The outcome is counted here (see the crate's metrics), once per delivery.
+    ///
     /// # Errors
     /// The broker's acknowledgement error.
-    pub async fn acknowledge(mut self) -> Result<Handled> {
+    pub async fn acknowledge(self) -> Result<Handled> {
+        let span = self.span.clone();
+        let (name, started) = (self.consumer.inner.config.name.clone(), self.started);
+        let outcome = self.acknowledge_inner().instrument(span).await;
+        crate::observe::record(&name, &outcome, started.elapsed());
+        outcome
+    }
+
+    async fn acknowledge_inner(mut self) -> Result<Handled> {
         // A failed step may end the delivery early (its verdict set, its transaction gone): that
         // is not uncommitted work. An open transaction or no verdict yet is.
         if self.tx.is_some() || self.verdict.is_none() {

@@ -10,7 +10,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod bench;
 mod chaos;
+mod cleanup;
 mod conformance;
 mod demo;
 mod duration;
@@ -65,6 +67,10 @@ enum Command {
     Stats(ops::StatsArgs),
     /// List outbox rows, optionally only those of one status.
     Inspect(ops::InspectArgs),
+    /// Retention, once: delete published rows older than an age in bounded batches (never a
+    /// pending, leased or parked row) and, if asked, a consumer's inbox markers — refused when
+    /// shorter than the consumer's redelivery horizon.
+    Cleanup(cleanup::CleanupArgs),
     /// Dead-lettered (parked) outbox rows: list, requeue or purge them.
     #[command(subcommand)]
     Parked(ops::ParkedCommand),
@@ -79,6 +85,10 @@ enum Command {
     /// Kill relays and consumers, restart every server, cut connections — on a seeded schedule —
     /// then judge the contract from durable state and print one row per combination × fault.
     Chaos(chaos::ChaosArgs),
+    /// Throughput of P1–P7 against the real servers, each beside a raw baseline measured in the
+    /// same run: one table (ratio, goal, pass/fail), optionally a JSON file. Exit 0 when every
+    /// subject ran (a ratio below its goal is a FAIL row, exit 3 only with `--strict`).
+    Bench(bench::BenchArgs),
     /// The chaos runner's own worker processes (not for direct use).
     #[command(subcommand, hide = true, name = "chaos-worker")]
     ChaosWorker(chaos::WorkerCommand),
@@ -99,7 +109,7 @@ fn init_logging(cli: &Cli) -> Result<(), String> {
     // The relay logs its batches at info; the one-shot commands only what went wrong.
     let default = match cli.command {
         Command::Relay(_) => "info",
-        Command::Demo(_) | Command::Conformance(_) => "error",
+        Command::Demo(_) | Command::Conformance(_) | Command::Bench(_) => "error",
         // The runner's own connections go through the fault proxies: drivers' complaints about
         // cut connections are the point, not news.
         Command::Chaos(_) => "error,lapin=off,rdkafka=off",
@@ -134,11 +144,13 @@ fn main() -> ExitCode {
             Command::Migrate(args) => ops::migrate(args).await.map(|()| true),
             Command::Stats(args) => ops::stats(args).await.map(|()| true),
             Command::Inspect(args) => ops::inspect(args).await.map(|()| true),
+            Command::Cleanup(args) => cleanup::run(args).await.map(|()| true),
             Command::Parked(cmd) => ops::parked(cmd).await.map(|()| true),
             Command::DeadLetters(cmd) => ops::dead_letters(cmd).await.map(|()| true),
             Command::Demo(args) => demo::run(args).await,
             Command::Conformance(args) => conformance::run(&args.store, &args.broker).await,
             Command::Chaos(args) => chaos::run(args).await,
+            Command::Bench(args) => bench::run(args).await,
             Command::ChaosWorker(cmd) => chaos::run_worker(cmd).await.map(|()| true),
         }
     });

@@ -4,21 +4,67 @@
 //! deploy: this is a small, bounded server (one request per connection, 8 KiB of request
 //! head, a 5 s read deadline) that reads the relay's counters and the store's durable counts
 //! at scrape time.
+//!
+//! The libraries measure through the `metrics` facade (the relay's publish latency, the consumer
+//! runtime's outcomes), which records nothing until a process installs a recorder. With
+//! `--metrics` this process installs a Prometheus recorder and appends its rendering to the
+//! families above. A family rendered here first (the relay's `*_total` counters, read from
+//! [`Relay::totals`] and labelled with the owner) is not repeated from the recorder, so every
+//! name appears once however the libraries label their own copies.
 
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use outbox::{OutboxAdmin, Relay, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::relay::io_error;
 
 /// How long a scrape may wait for the store's counts.
 const STATS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Bucket bounds (seconds) of every recorded histogram: publish and handle latencies, from a
+/// local broker's sub-millisecond acknowledgement to a stalled one. Buckets, not quantiles, so
+/// that several relays' histograms add up in Prometheus.
+pub(crate) const LATENCY_BUCKETS: &[f64] =
+    &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+/// How often recorded histogram samples are folded into their buckets between scrapes, so an
+/// unscraped relay's memory stays bounded.
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// Install this process's `metrics` recorder (once; later calls return the same handle).
+///
+/// `None` when another recorder was installed first: then `/metrics` shows only the families
+/// this module renders itself, and a warning says why.
+pub(crate) fn install_recorder() -> Option<PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = match PrometheusBuilder::new().set_buckets(LATENCY_BUCKETS) {
+                Ok(builder) => builder.build_recorder(),
+                Err(e) => {
+                    warn!(target: "outbox.metrics", error = %e, "histogram buckets refused; recording quantiles");
+                    PrometheusBuilder::new().build_recorder()
+                }
+            };
+            let handle = recorder.handle();
+            match ::metrics::set_global_recorder(recorder) {
+                Ok(()) => Some(handle),
+                Err(e) => {
+                    warn!(target: "outbox.metrics", error = %e, "a metrics recorder is already installed; /metrics shows the relay's own counters only");
+                    None
+                }
+            }
+        })
+        .clone()
+}
 
 /// A running metrics server.
 pub(crate) struct Server {
@@ -34,16 +80,28 @@ impl Server {
     }
 }
 
-/// Listen on `addr` and serve until [`Server::stop`].
+/// Listen on `addr` and serve until [`Server::stop`], with this process's recorder
+/// ([`install_recorder`], installed here if it was not yet).
 pub(crate) async fn serve(addr: SocketAddr, relay: Arc<Relay>, store: Arc<dyn OutboxAdmin>) -> Result<Server> {
     let listener = TcpListener::bind(addr).await.map_err(|e| io_error(&format!("--metrics {addr}"), e))?;
     let addr = listener.local_addr().map_err(|e| io_error("--metrics", e))?;
+    let recorder = install_recorder();
     let task = tokio::spawn(async move {
+        let mut upkeep = tokio::time::interval(UPKEEP_EVERY);
         loop {
-            let Ok((stream, _)) = listener.accept().await else { continue };
-            let (relay, store) = (relay.clone(), store.clone());
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                _ = upkeep.tick() => {
+                    if let Some(recorder) = &recorder {
+                        recorder.run_upkeep();
+                    }
+                    continue;
+                }
+            };
+            let Ok((stream, _)) = accepted else { continue };
+            let (relay, store, recorder) = (relay.clone(), store.clone(), recorder.clone());
             tokio::spawn(async move {
-                if let Err(e) = handle(stream, &relay, &*store).await {
+                if let Err(e) = handle(stream, &relay, &*store, recorder.as_ref()).await {
                     debug!(target: "outbox.metrics", error = %e, "metrics request failed");
                 }
             });
@@ -52,7 +110,12 @@ pub(crate) async fn serve(addr: SocketAddr, relay: Arc<Relay>, store: Arc<dyn Ou
     Ok(Server { addr, task })
 }
 
-async fn handle(mut stream: TcpStream, relay: &Relay, store: &dyn OutboxAdmin) -> std::io::Result<()> {
+async fn handle(
+    mut stream: TcpStream,
+    relay: &Relay,
+    store: &dyn OutboxAdmin,
+    recorder: Option<&PrometheusHandle>,
+) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     let read = async {
@@ -72,7 +135,13 @@ async fn handle(mut stream: TcpStream, relay: &Relay, store: &dyn OutboxAdmin) -
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = path.split('?').next().unwrap_or("");
     let (status, content_type, body) = match (method, path) {
-        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(relay, store).await),
+        ("GET", "/metrics") => {
+            let mut body = render(relay, store).await;
+            if let Some(recorder) = recorder {
+                append_recorded(&mut body, &recorder.render());
+            }
+            ("200 OK", "text/plain; version=0.0.4; charset=utf-8", body)
+        }
         ("GET", "/healthz") => match health(relay, store).await {
             Ok(()) => ("200 OK", "text/plain; charset=utf-8", "ok\n".to_string()),
             Err(why) => ("503 Service Unavailable", "text/plain; charset=utf-8", format!("{why}\n")),
@@ -144,9 +213,46 @@ async fn render(relay: &Relay, store: &dyn OutboxAdmin) -> String {
     out
 }
 
+/// The metric family names `text` declares (`# TYPE name kind`).
+fn families(text: &str) -> BTreeSet<&str> {
+    text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split_whitespace().next()).collect()
+}
+
+/// Append the recorder's rendering `recorded` to `out`, family by family, leaving out every
+/// family `out` already has.
+fn append_recorded(out: &mut String, recorded: &str) {
+    let taken: BTreeSet<String> = families(out).into_iter().map(str::to_owned).collect();
+    // The exporter ends every family with an empty line.
+    for block in recorded.split("\n\n") {
+        let block = block.trim_matches('\n');
+        let Some(name) = families(block).into_iter().next() else { continue };
+        if taken.contains(name) {
+            continue;
+        }
+        out.push_str(block);
+        out.push('\n');
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recorded_families_are_appended_once() {
+        let mut out = "# HELP outbox_relay_published_total Rows.\n# TYPE outbox_relay_published_total counter\n\
+                       outbox_relay_published_total{owner=\"r\"} 3\n"
+            .to_string();
+        let recorded = "# TYPE outbox_relay_published_total counter\noutbox_relay_published_total 3\n\n\
+                        # HELP outbox_relay_publish_seconds Latency.\n# TYPE outbox_relay_publish_seconds histogram\n\
+                        outbox_relay_publish_seconds_bucket{le=\"+Inf\"} 3\noutbox_relay_publish_seconds_count 3\n\n";
+        append_recorded(&mut out, recorded);
+        assert_eq!(out.matches("# TYPE outbox_relay_published_total").count(), 1, "{out}");
+        assert!(out.contains("outbox_relay_published_total{owner=\"r\"} 3\n"), "{out}");
+        assert!(!out.contains("outbox_relay_published_total 3"), "{out}");
+        assert!(out.contains("# HELP outbox_relay_publish_seconds Latency.\n"), "{out}");
+        assert!(out.ends_with("outbox_relay_publish_seconds_count 3\n"), "{out}");
+    }
 
     #[test]
     fn labels_are_escaped() {

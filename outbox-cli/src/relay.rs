@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox::core::config::redact;
+use outbox::core::retention::{Cleanup, CleanupConfig};
 use outbox::{AnyStore, Error, ErrorKind, Relay, RelayConfig, Result};
 use tracing::{info, warn};
 
@@ -52,6 +53,16 @@ pub(crate) struct RelayArgs {
     /// is an error naming `outbox migrate`).
     #[arg(long)]
     migrate: bool,
+    /// Run retention beside the relay: delete rows published longer ago than this (`7d`, `12h`,
+    /// `60s`), in bounded batches, every `--retain-interval`. Off by default.
+    #[arg(long, value_parser = crate::cleanup::parse_age)]
+    retain_published: Option<Duration>,
+    /// Time between two retention rounds (with `--retain-published`).
+    #[arg(long, default_value = "1m", value_parser = duration::parse, requires = "retain_published")]
+    retain_interval: Duration,
+    /// Rows deleted per retention transaction (with `--retain-published`).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1000, requires = "retain_published", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    retain_batch: u32,
 }
 
 fn default_owner() -> String {
@@ -85,6 +96,18 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
         .with_lease(args.lease)
         .with_max_attempts(args.max_attempts)
         .with_idle_poll(args.idle_poll);
+    // Checked before the relay starts: a bad retention setting (zero) fails here, not later.
+    let cleanup = match args.retain_published {
+        Some(age) => Some(Arc::new(Cleanup::new(
+            outbox.clone(),
+            CleanupConfig::new(age).with_interval(args.retain_interval).with_batch(args.retain_batch as usize),
+        )?)),
+        None => None,
+    };
+    if args.metrics.is_some() {
+        // Before the relay exists, so that the libraries describe their metrics to it.
+        metrics::install_recorder();
+    }
     let relay = Arc::new(Relay::new(outbox.clone(), broker.clone(), config));
     let shutdown = relay.shutdown_handle();
 
@@ -106,8 +129,33 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
     );
 
     let signals = tokio::spawn(wait_for_signals(shutdown.clone()));
+    // Retention runs beside the relay until the same shutdown; a permanent failure of it (the
+    // store refuses the purge) stops the relay too, so the operator hears about it.
+    let retention = cleanup.map(|cleanup| {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let result = cleanup.run(shutdown.clone()).await;
+            if let Err(e) = &result {
+                tracing::error!(target: "outbox.relay", error = %e, "retention failed; stopping the relay");
+                shutdown.trigger();
+            }
+            result
+        })
+    });
     let totals = relay.run().await;
     signals.abort();
+    if let Some(task) = retention {
+        match task.await {
+            Ok(Ok(r)) => info!(
+                target: "outbox.relay",
+                published_deleted = r.published_deleted,
+                batches = r.batches,
+                "retention stopped"
+            ),
+            Ok(Err(e)) => return Err(e),
+            Err(e) => warn!(target: "outbox.relay", error = %e, "retention task ended abnormally"),
+        }
+    }
     if let Some(server) = server {
         server.stop();
     }

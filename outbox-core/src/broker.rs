@@ -463,15 +463,22 @@ pub trait Broker: Send + Sync {
     ///
     /// # Behavior
     /// - each `Ok` means the same as an `Ok` from [`publish`](Broker::publish) for that event;
-    /// - events with the same key reach the broker in slice order (the first offer of each);
-    /// - once an event fails, no later event **of the same key** is sent: its result is an
-    ///   error of kind [`Skipped`](crate::ErrorKind::Skipped) (transient), so the caller can
-    ///   retry the key from the failed event on and keep its order;
+    /// - events with the same key and destination reach the broker in slice order (the first
+    ///   offer of each); events of one key to different destinations may reach them in any order;
+    /// - once an event fails, no later event of the same key is reported `Ok`: each is an error
+    ///   of kind [`Skipped`](crate::ErrorKind::Skipped) (transient), so the caller can retry the
+    ///   key from the failed event on and keep its order. Where the broker learns of the failure
+    ///   only after later events were sent (a confirm window, deliveries in flight), those may
+    ///   have reached the broker too (a duplicate on retry, never a gap); each adapter documents
+    ///   where later events are truly not sent;
     /// - events of different keys, and events without a key, are independent: one failing
     ///   changes nothing for the others;
     /// - an empty slice returns an empty vector without I/O;
     /// - the default publishes one key after another per lane, lanes concurrently (up to 16),
-    ///   with [`publish`](Broker::publish); adapters override it with native batching.
+    ///   with [`publish`](Broker::publish); adapters override it with native batching;
+    /// - the default starts no further publish once the [`Relay`](crate::Relay) that called it
+    ///   is shutting down: those events are [`Skipped`](crate::ErrorKind::Skipped), and the relay
+    ///   releases them (publishes already started finish).
     async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
         crate::broker::publish_batch_by_lanes(self, events, 16).await
     }
@@ -490,7 +497,11 @@ pub trait Broker: Send + Sync {
 /// once; after a failure the rest of its lane is [`Skipped`](crate::ErrorKind::Skipped).
 ///
 /// For adapters whose native batching covers only part of a batch, and for decorators.
-pub async fn publish_batch_by_lanes<B: Broker + ?Sized>(broker: &B, events: &[Event], concurrency: usize) -> Vec<Result<()>> {
+pub async fn publish_batch_by_lanes<B: Broker + ?Sized>(
+    broker: &B,
+    events: &[Event],
+    concurrency: usize,
+) -> Vec<Result<()>> {
     use futures::StreamExt;
     use std::collections::BTreeMap;
     let mut lanes: BTreeMap<(bool, &str, usize), Vec<usize>> = BTreeMap::new();
@@ -509,6 +520,12 @@ pub async fn publish_batch_by_lanes<B: Broker + ?Sized>(broker: &B, events: &[Ev
         for i in lane {
             if let Some(id) = &failed {
                 results.push((i, Err(skipped(broker.backend(), id))));
+                continue;
+            }
+            if crate::relay::stopping() {
+                use crate::error::{Error, ErrorKind};
+                let why = "not sent: the relay is shutting down";
+                results.push((i, Err(Error::transient(ErrorKind::Skipped, broker.backend(), why))));
                 continue;
             }
             let r = broker.publish(&events[i]).await;

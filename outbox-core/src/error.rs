@@ -46,7 +46,8 @@ pub enum ErrorKind {
     Auth,
     /// Not attempted: an earlier event of the same key failed in the same batch
     /// ([`Broker::publish_batch`](crate::Broker::publish_batch)), and sending this one first
-    /// would break the key's order. Transient; not the event's fault.
+    /// would break the key's order, or the relay calling it is shutting down. Transient; not the
+    /// event's fault.
     Skipped,
 }
 

@@ -353,6 +353,11 @@ impl Event {
 
     /// A digest of everything that defines the event's content (destination, key, headers,
     /// payload). Two deliveries with one id and different fingerprints are a conflict.
+    ///
+    /// The W3C trace-context headers ([`TRACEPARENT_HEADER`](crate::telemetry::TRACEPARENT_HEADER),
+    /// [`TRACESTATE_HEADER`](crate::telemetry::TRACESTATE_HEADER)) are left out: they say which
+    /// trace carried the event, not what it is, so the same event enqueued again from another
+    /// trace (a retried request) is a duplicate, not a conflict.
     pub fn fingerprint(&self) -> Fingerprint {
         let mut h = Sha256::new();
         let mut field = |bytes: &[u8]| {
@@ -364,7 +369,7 @@ impl Event {
             Some(k) => field(k.as_bytes()),
             None => field(b"\xff-no-key"),
         }
-        for (name, value) in &self.headers {
+        for (name, value) in self.headers.iter().filter(|(name, _)| !crate::telemetry::is_trace_header(name)) {
             field(name.as_bytes());
             field(value);
         }
@@ -590,6 +595,25 @@ mod tests {
         assert_eq!(a.fingerprint(), a.clone().fingerprint());
         let hex = a.fingerprint().to_hex();
         assert_eq!(Fingerprint::from_hex(&hex).unwrap(), a.fingerprint());
+    }
+
+    #[test]
+    fn trace_context_headers_are_valid_and_not_content() {
+        use crate::telemetry::{TRACEPARENT_HEADER, TRACESTATE_HEADER};
+        let a = Event::new(EventId::new("a").unwrap(), Destination::new("d").unwrap(), b"x".to_vec());
+        let from = |trace: &str| {
+            a.clone()
+                .with_header(TRACEPARENT_HEADER, format!("00-{trace}-b7ad6b7169203331-01"))
+                .with_header(TRACESTATE_HEADER, "vendor=1")
+        };
+        let one = from("0af7651916cd43dd8448eb211c80319c");
+        let other = from("4bf92f3577b34da6a3ce929d0e0e4736");
+        assert!(one.validate(DEFAULT_MAX_PAYLOAD).is_ok());
+        // Another trace, or none, is the same content: a duplicate for an inbox, not a conflict.
+        assert_eq!(one.fingerprint(), other.fingerprint());
+        assert_eq!(one.fingerprint(), a.fingerprint());
+        // Every other header still counts.
+        assert_ne!(one.clone().with_header("traceparent-x", "1").fingerprint(), one.fingerprint());
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod event;
 pub mod inbox;
 pub mod memory;
 pub mod relay;
+pub mod retention;
 #[cfg(feature = "testkit")]
 pub mod rng;
 #[cfg(not(feature = "testkit"))]
@@ -25,8 +26,9 @@ pub use error::{Error, ErrorKind, Result, Retry};
 pub use event::{ConsumerGroup, Destination, Event, EventId, Fingerprint, Headers};
 pub use inbox::{DeadLetter, DeadLetterReason, Inbox, InboxAdmin, LedgerState, MarkOutcome, Marker, VersionOutcome};
 pub use relay::{Backoff, BatchReport, Relay, RelayConfig, Shutdown};
+pub use retention::{Cleanup, CleanupConfig, CleanupReport, MarkerPruning};
 pub use store::{
-    Claimed, Completion, Lease, OutboxAdmin, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId,
-    RowSnapshot, RowStatus,
+    Claimed, Completion, Lease, OutboxAdmin, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedHead, ParkedRow,
+    RowId, RowSnapshot, RowStatus,
 };
 pub use wakeup::{Wakeup, WakeupSender};

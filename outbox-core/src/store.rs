@@ -105,6 +105,53 @@ impl RowStatus {
     }
 }
 
+/// What a parked row does to the later rows of its key, as a store's claim sees it (see
+/// [`OutboxStore::claim`]). Set on each store's configuration (`with_parked_head`); the default
+/// is [`Block`](ParkedHead::Block).
+///
+/// A parked row is the oldest unpublished row of its key until it is requeued or purged. Under
+/// `Block` the key stops there, so its events are never published out of order: an operator
+/// decides (requeue it, which makes it the key's head again, or purge it, which lets the next row
+/// go). Under `Skip` the key flows on past its dead letters; a parked row that is requeued later
+/// is published after the rows that overtook it — order is traded for availability, explicitly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ParkedHead {
+    /// A parked row holds back every later row of its key until it is requeued or purged.
+    #[default]
+    Block,
+    /// Parked rows are passed over: the key's later rows are claimed as if they were not there.
+    Skip,
+}
+
+impl ParkedHead {
+    /// The configuration value: `"block"` or `"skip"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Block => "block",
+            Self::Skip => "skip",
+        }
+    }
+}
+
+impl std::fmt::Display for ParkedHead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ParkedHead {
+    type Err = Error;
+
+    /// `block` or `skip` (any case).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "block" => Ok(Self::Block),
+            "skip" => Ok(Self::Skip),
+            _ => Err(Error::config("outbox", format!("expected `block` or `skip` for the parked head, not {s:?}"))),
+        }
+    }
+}
+
 /// Everything durable about one row, for tests, operators and the conformance suite.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowSnapshot {
@@ -189,6 +236,24 @@ pub trait OutboxStore: Send + Sync {
     ///   whose lease is absent or expired;
     /// - increments each claimed row's token, sets owner and `expires_at = now + lease`;
     /// - concurrent claims never return the same row while its lease is valid;
+    /// - key order: a row with a key is claimed only if every earlier (lower row id) unpublished
+    ///   row of its key is claimed in the same call — per key, a claim takes only a prefix that
+    ///   starts at the key's oldest unpublished row. A row that backs off (after
+    ///   [`fail`](OutboxStore::fail)) or is leased by another relay holds back only the later rows
+    ///   of its own key; other keys, and rows without a key, keep flowing;
+    /// - a parked row holds back the later rows of its key under [`ParkedHead::Block`] (the
+    ///   default) and is passed over under [`ParkedHead::Skip`], as the store is configured;
+    ///   requeueing a parked row makes it its key's head again;
+    /// - so rows of one key are first offered to the broker in row-id order across batches,
+    ///   retries and relays, as long as each relay publishes a claimed key's rows in row order
+    ///   and stops the key at its first failure (as [`Relay`](crate::Relay) does). A relay may
+    ///   claim its next batch while the previous one is still in flight: the later rows of a key
+    ///   whose earlier row is in flight are leased-blocked, so an overlapped claim can never
+    ///   overtake it;
+    /// - row-id order is the order in which ids were allocated, not commit order: two
+    ///   transactions enqueueing rows of one key at the same time should serialize on the
+    ///   aggregate's own row (`SELECT … FOR UPDATE`); if they don't, the later-committing one may
+    ///   hold the lower id, and a claim between the two commits can publish the higher id first;
     /// - returns rows in row-id order; an empty result means nothing is claimable.
     async fn claim(&self, owner: &str, limit: usize, lease: Duration) -> Result<Vec<Claimed>>;
 

@@ -306,25 +306,33 @@ async fn permanent_failure_parks_at_once_and_outcome_unknown_is_offered_again() 
     assert_eq!(broker.log(&dest()).iter().map(|e| e.id.as_str()).collect::<Vec<_>>(), ["maybe"]);
 }
 
+/// Shutdown while one batch is being published and the next is claimed but not handed to the
+/// broker yet: the first finishes and is completed, the second is released, nothing else is
+/// claimed.
 #[tokio::test]
 async fn graceful_shutdown_finishes_in_flight_and_releases_the_rest() {
     let (_clock, store, broker) = setup().await;
-    // One key: publishes are sequential, so the first is in flight while the others wait.
-    let events: Vec<Event> = (1..=3).map(|i| event(&format!("e{i}")).with_key("acct-1")).collect();
+    let events: Vec<Event> = (1..=3).map(|i| event(&format!("e{i}"))).collect();
     store.enqueue(&events).await.unwrap();
     let gate = Arc::new((Notify::new(), Notify::new()));
     let scripted = Scripted { inner: broker.clone(), script: Mutex::default(), gate: Some(gate.clone()) };
-    let relay = Arc::new(Relay::new(Arc::new(store.clone()), Arc::new(scripted), config("r")));
+    let relay = Arc::new(Relay::new(
+        Arc::new(store.clone()),
+        Arc::new(scripted),
+        config("r").with_batch_size(1).with_pipeline_depth(2),
+    ));
     let shutdown = relay.shutdown_handle();
     let running = tokio::spawn({
         let relay = relay.clone();
         async move { relay.run().await.unwrap() }
     });
     within("the first publish starting", gate.0.notified()).await;
+    // The second batch is claimed while the first publishes.
+    wait_until(|| relay.totals().claimed == 2).await;
     shutdown.trigger();
     gate.1.notify_one(); // let it finish
     let totals = within("the relay stopping after shutdown", running).await.unwrap();
-    assert_eq!((totals.claimed, totals.published, totals.released), (3, 1, 2));
+    assert_eq!((totals.claimed, totals.published, totals.released), (2, 1, 1));
 
     let rows = all_rows(&store).await.unwrap();
     assert_eq!(rows[0].status, RowStatus::Published);
@@ -333,10 +341,12 @@ async fn graceful_shutdown_finishes_in_flight_and_releases_the_rest() {
         assert_eq!(r.attempts, 0, "a release is not a failed attempt");
         assert_eq!(r.owner, None);
     }
+    assert_eq!(rows[1].token, 1, "e2 was claimed once, then released");
+    assert_eq!(rows[2].token, 0, "e3 was never claimed");
     assert_eq!(broker.log(&dest()).len(), 1);
-    // Another relay picks the released rows up immediately, in key order.
+    // Another relay picks the released rows up immediately, in order.
     let other = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("r2"));
-    assert_eq!(other.run_once().await.unwrap().published, 2);
+    assert_eq!(other.drain().await.unwrap().published, 2);
     let ids: Vec<_> = broker.log(&dest()).iter().map(|e| e.id.to_string()).collect();
     assert_eq!(ids, ["e1", "e2", "e3"]);
 }
@@ -467,4 +477,475 @@ async fn refused_credentials_release_the_row_without_parking_it() {
     assert!(broker.log(&dest()).is_empty());
     let row = &all_rows(&store).await.unwrap()[0];
     assert_eq!((row.status, row.attempts), (RowStatus::Pending, 0));
+}
+
+/// A decorator over [`MemoryBroker`] with a `publish_batch` of its own, offering events one
+/// after another in slice order. It fails the next offer of chosen event ids, answers chosen ids
+/// with `Skipped`, records the ids of every batch it was handed, and can hold each batch at a
+/// gate. With `keep_going` it breaks the `Skipped` rule on purpose: after a failure it still
+/// sends the later events of the key (a pipelining broker whose first write failed while the
+/// next went through), so the relay's own per-key walk is what keeps the order.
+#[derive(Default)]
+struct Flaky {
+    inner: MemoryBroker,
+    fail: Mutex<std::collections::HashMap<String, Error>>,
+    skip: Mutex<std::collections::HashSet<String>>,
+    keep_going: bool,
+    batches: Mutex<Vec<Vec<String>>>,
+    gate: Option<Arc<Gate>>,
+}
+
+/// `started` is signalled when a batch arrives; the batch goes on once a permit of `open` is
+/// available (one permit per batch).
+struct Gate {
+    started: Notify,
+    open: tokio::sync::Semaphore,
+}
+
+impl Gate {
+    fn new() -> Arc<Self> {
+        Arc::new(Self { started: Notify::new(), open: tokio::sync::Semaphore::new(0) })
+    }
+}
+
+impl Flaky {
+    fn new(inner: MemoryBroker) -> Self {
+        Self { inner, ..Self::default() }
+    }
+
+    fn fail_next(self, id: &str, error: Error) -> Self {
+        self.fail.lock().unwrap().insert(id.to_owned(), error);
+        self
+    }
+
+    fn skip_next(self, id: &str) -> Self {
+        self.skip.lock().unwrap().insert(id.to_owned());
+        self
+    }
+
+    fn batches(&self) -> Vec<Vec<String>> {
+        self.batches.lock().unwrap().clone()
+    }
+}
+
+#[async_trait]
+impl Broker for Flaky {
+    fn backend(&self) -> &'static str {
+        "flaky"
+    }
+    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> outbox_core::Result<()> {
+        self.inner.declare(d, g).await
+    }
+    async fn publish(&self, event: &Event) -> outbox_core::Result<()> {
+        self.publish_batch(std::slice::from_ref(event)).await.remove(0)
+    }
+    async fn publish_batch(&self, events: &[Event]) -> Vec<outbox_core::Result<()>> {
+        self.batches.lock().unwrap().push(events.iter().map(|e| e.id.to_string()).collect());
+        if let Some(gate) = &self.gate {
+            gate.started.notify_one();
+            match tokio::time::timeout(LIMIT, gate.open.acquire()).await {
+                Ok(permit) => permit.unwrap().forget(),
+                Err(_) => {
+                    return events
+                        .iter()
+                        .map(|_| Err(Error::transient(ErrorKind::Timeout, "flaky", "the gate was never opened")))
+                        .collect();
+                }
+            }
+        }
+        let mut failed_keys = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for e in events {
+            let id = e.id.to_string();
+            if !self.keep_going && e.key.as_ref().is_some_and(|k| failed_keys.contains(k)) {
+                out.push(Err(outbox_core::broker::skipped("flaky", "an earlier one")));
+                continue;
+            }
+            let injected = self.fail.lock().unwrap().remove(&id);
+            let r = if let Some(err) = injected {
+                Err(err)
+            } else if self.skip.lock().unwrap().remove(&id) {
+                Err(outbox_core::broker::skipped("flaky", "another"))
+            } else {
+                self.inner.publish(e).await
+            };
+            if r.is_err()
+                && let Some(k) = &e.key
+            {
+                failed_keys.insert(k.clone());
+            }
+            out.push(r);
+        }
+        out
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> outbox_core::Result<Box<dyn Subscription>> {
+        self.inner.subscribe(d, g).await
+    }
+}
+
+/// Ids in the broker's log, in order.
+fn log_ids(broker: &MemoryBroker) -> Vec<String> {
+    broker.log(&dest()).iter().map(|e| e.id.to_string()).collect()
+}
+
+/// For each key (by the first letter of the id), its ids in the order of their FIRST offer in the
+/// broker's log.
+fn first_offers_by_key(broker: &MemoryBroker) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut out: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for e in broker.log(&dest()) {
+        let Some(k) = &e.key else { continue };
+        let ids = out.entry(k.clone()).or_default();
+        if !ids.contains(&e.id.to_string()) {
+            ids.push(e.id.to_string());
+        }
+    }
+    out
+}
+
+/// Pipelined: relay A publishes its second batch while the completion of its first is stalled.
+/// Both leases expire, relay B re-publishes and completes both; A's overlapped completions
+/// arrive late and are fenced, counted, and change nothing.
+#[tokio::test]
+async fn pipelined_batches_keep_fencing() {
+    let (clock, store, broker) = setup().await;
+    store.enqueue(&[event("e1"), event("e2")]).await.unwrap();
+    let gate = Arc::new(Notify::new());
+    let stalled = Arc::new(StallComplete { inner: store.clone(), gate: gate.clone() });
+    let relay_a = Arc::new(Relay::new(
+        stalled,
+        Arc::new(broker.clone()),
+        config("relay-a").with_batch_size(1).with_pipeline_depth(2),
+    ));
+    let a = tokio::spawn({
+        let relay_a = relay_a.clone();
+        async move { relay_a.drain().await.unwrap() }
+    });
+    // Overlap: e2 (batch 2) is published while e1's completion (batch 1) has not happened.
+    wait_until(|| broker.log(&dest()).len() == 2).await;
+    let rows = all_rows(&store).await.unwrap();
+    assert!(rows.iter().all(|r| r.status == RowStatus::Leased && r.token == 1), "{rows:?}");
+
+    clock.advance(LEASE * 2);
+    let relay_b = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("relay-b"));
+    let rb = relay_b.drain().await.unwrap();
+    assert_eq!((rb.claimed, rb.published, rb.fenced), (2, 2, 0));
+
+    gate.notify_one();
+    wait_until(|| relay_a.totals().fenced == 1).await;
+    gate.notify_one();
+    let ra = within("relay A finishing", a).await.unwrap();
+    assert_eq!((ra.claimed, ra.published, ra.fenced), (2, 0, 2), "{ra:?}");
+
+    let rows = all_rows(&store).await.unwrap();
+    for r in &rows {
+        assert_eq!(r.status, RowStatus::Published);
+        assert_eq!((r.token, r.published_token), (2, Some(2)), "published by B's token, not A's: {r:?}");
+        assert_eq!(r.owner.as_deref(), Some("relay-b"));
+    }
+    assert_eq!(log_ids(&broker), ["e1", "e2", "e1", "e2"], "the duplicates stay visible");
+}
+
+/// Depth 1 is the serial relay: while a batch's completion is stalled nothing else is claimed.
+#[tokio::test]
+async fn depth_one_claims_only_after_the_outcomes_are_recorded() {
+    let (_clock, store, broker) = setup().await;
+    store.enqueue(&[event("e1"), event("e2")]).await.unwrap();
+    let gate = Arc::new(Notify::new());
+    let stalled = Arc::new(StallComplete { inner: store.clone(), gate: gate.clone() });
+    let relay =
+        Arc::new(Relay::new(stalled, Arc::new(broker.clone()), config("r").with_batch_size(1).with_pipeline_depth(1)));
+    let task = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.drain().await.unwrap() }
+    });
+    wait_until(|| broker.log(&dest()).len() == 1).await;
+    // Give a wrongly pipelined relay every chance to claim e2.
+    for _ in 0..1000 {
+        tokio::task::yield_now().await;
+    }
+    let rows = all_rows(&store).await.unwrap();
+    assert_eq!((rows[0].status, rows[1].token), (RowStatus::Leased, 0), "e2 claimed before e1 completed: {rows:?}");
+    assert_eq!(relay.totals().claimed, 1);
+
+    gate.notify_one();
+    wait_until(|| broker.log(&dest()).len() == 2).await;
+    assert_eq!(all_rows(&store).await.unwrap()[0].status, RowStatus::Published);
+    gate.notify_one();
+    let r = within("the drain finishing", task).await.unwrap();
+    assert_eq!((r.claimed, r.published, r.fenced, r.released), (2, 2, 0, 0));
+    assert!(all_rows(&store).await.unwrap().iter().all(|r| r.status == RowStatus::Published));
+    assert_eq!(log_ids(&broker), ["e1", "e2"]);
+}
+
+/// A failure in the middle of a batch: the failed row is retried, the later rows of its key are
+/// released (Skipped by the broker) and published after it; other keys go on. The broker is
+/// handed the whole batch in row-id order.
+#[tokio::test]
+async fn a_failed_row_holds_back_the_rest_of_its_key_within_a_batch() {
+    let (_clock, store, broker) = setup().await;
+    let events = vec![
+        event("a1").with_key("a"),
+        event("b1").with_key("b"),
+        event("a2").with_key("a"),
+        event("k1"),
+        event("a3").with_key("a"),
+        event("b2").with_key("b"),
+    ];
+    store.enqueue(&events).await.unwrap();
+    let flaky = Arc::new(Flaky::new(broker.clone()).fail_next("a1", transient().unwrap()));
+    let relay = Relay::new(Arc::new(store.clone()), flaky.clone(), config("r").with_backoff(Backoff::none()));
+
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.claimed, first.published, first.retried, first.released), (6, 3, 1, 2), "{first:?}");
+    let rows = all_rows(&store).await.unwrap();
+    let by_id = |id: &str| rows.iter().find(|r| r.event.id.as_str() == id).unwrap().clone();
+    assert_eq!((by_id("a1").status, by_id("a1").attempts), (RowStatus::Pending, 1));
+    for id in ["a2", "a3"] {
+        let r = by_id(id);
+        assert_eq!((r.status, r.attempts, r.published_token), (RowStatus::Pending, 0, None), "{r:?}");
+    }
+    assert_eq!(log_ids(&broker), ["b1", "k1", "b2"]);
+
+    let rest = relay.drain().await.unwrap();
+    assert_eq!((rest.published, rest.retried, rest.released), (3, 0, 0), "{rest:?}");
+    assert!(all_rows(&store).await.unwrap().iter().all(|r| r.status == RowStatus::Published));
+    let firsts = first_offers_by_key(&broker);
+    assert_eq!(firsts["a"], ["a1", "a2", "a3"]);
+    assert_eq!(firsts["b"], ["b1", "b2"]);
+    assert_eq!(
+        flaky.batches(),
+        [vec!["a1", "b1", "a2", "k1", "a3", "b2"], vec!["a1", "a2", "a3"]],
+        "whole batches, in row-id order"
+    );
+}
+
+/// A broker that keeps sending a key after one of its events failed: the relay still releases
+/// every later row of the key, even the ones the broker accepted, and completes them only after
+/// the failed row went through. The early copy is a visible duplicate, never a completion.
+#[tokio::test]
+async fn rows_accepted_after_their_keys_failure_are_released_not_completed() {
+    let (_clock, store, broker) = setup().await;
+    store.enqueue(&[event("a1").with_key("a"), event("a2").with_key("a"), event("b1").with_key("b")]).await.unwrap();
+    let flaky = Flaky { keep_going: true, ..Flaky::new(broker.clone()) }.fail_next("a1", transient().unwrap());
+    let relay = Relay::new(Arc::new(store.clone()), Arc::new(flaky), config("r").with_backoff(Backoff::none()));
+
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.published, first.retried, first.released), (1, 1, 1), "{first:?}");
+    assert_eq!(log_ids(&broker), ["a2", "b1"], "the broker took a2 although a1 failed");
+    let a2 = all_rows(&store).await.unwrap().into_iter().find(|r| r.event.id.as_str() == "a2").unwrap();
+    assert_eq!((a2.status, a2.published_token, a2.attempts), (RowStatus::Pending, None, 0), "{a2:?}");
+
+    relay.drain().await.unwrap();
+    let rows = all_rows(&store).await.unwrap();
+    for r in &rows {
+        assert_eq!(r.status, RowStatus::Published);
+        assert_eq!(r.published_token, Some(r.token));
+    }
+    assert_eq!(log_ids(&broker), ["a2", "b1", "a1", "a2"]);
+}
+
+/// `Skipped` is not the row's fault: released, no attempt counted, no error recorded.
+#[tokio::test]
+async fn skipped_rows_count_no_attempt() {
+    let (_clock, store, broker) = setup().await;
+    store.enqueue(&[event("a1").with_key("a"), event("a2").with_key("a"), event("k1"), event("k2")]).await.unwrap();
+    let flaky = Flaky::new(broker.clone()).skip_next("a1").skip_next("k1");
+    let relay = Relay::new(Arc::new(store.clone()), Arc::new(flaky), config("r"));
+
+    let first = relay.run_once().await.unwrap();
+    assert_eq!(
+        (first.claimed, first.published, first.released, first.retried, first.parked),
+        (4, 1, 3, 0, 0),
+        "{first:?}"
+    );
+    for r in all_rows(&store).await.unwrap().iter().filter(|r| r.event.id.as_str() != "k2") {
+        assert_eq!((r.status, r.attempts, r.last_error.as_deref()), (RowStatus::Pending, 0, None), "{r:?}");
+    }
+    relay.drain().await.unwrap();
+    for r in all_rows(&store).await.unwrap() {
+        assert_eq!((r.status, r.attempts), (RowStatus::Published, 0), "{r:?}");
+    }
+    assert_eq!(first_offers_by_key(&broker)["a"], ["a1", "a2"]);
+}
+
+/// Shutdown with three batches between claim and settled (one at the broker, two queued):
+/// the one at the broker is completed, the queued ones are released, the unclaimed rows stay
+/// untouched, and another relay then publishes everything exactly once more.
+#[tokio::test]
+async fn shutdown_with_batches_in_flight_loses_nothing() {
+    let (_clock, store, broker) = setup().await;
+    let events: Vec<Event> = (1..=8).map(|i| event(&format!("e{i}"))).collect();
+    store.enqueue(&events).await.unwrap();
+    let gate = Gate::new();
+    let flaky = Arc::new(Flaky { gate: Some(gate.clone()), ..Flaky::new(broker.clone()) });
+    let relay = Arc::new(Relay::new(
+        Arc::new(store.clone()),
+        flaky.clone(),
+        config("r").with_batch_size(2).with_pipeline_depth(3),
+    ));
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run().await.unwrap() }
+    });
+    within("the first batch reaching the broker", gate.started.notified()).await;
+    wait_until(|| relay.totals().claimed == 6).await;
+    relay.shutdown_handle().trigger();
+    gate.open.add_permits(1);
+    let totals = within("the relay stopping", running).await.unwrap();
+    assert_eq!((totals.claimed, totals.published, totals.released, totals.fenced), (6, 2, 4, 0), "{totals:?}");
+    assert_eq!(flaky.batches(), [vec!["e1", "e2"]], "queued batches are never handed to the broker");
+
+    let rows = all_rows(&store).await.unwrap();
+    for r in &rows {
+        let n: usize = r.event.id.as_str()[1..].parse().unwrap();
+        let (status, token) = match n {
+            1 | 2 => (RowStatus::Published, 1),
+            3..=6 => (RowStatus::Pending, 1),
+            _ => (RowStatus::Pending, 0),
+        };
+        assert_eq!((r.status, r.token, r.attempts), (status, token, 0), "{r:?}");
+        if status == RowStatus::Pending {
+            assert_eq!(r.owner, None, "no lease left behind: {r:?}");
+        }
+    }
+    let other = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("r2"));
+    assert_eq!(other.drain().await.unwrap().published, 6);
+    assert_eq!(log_ids(&broker), (1..=8).map(|i| format!("e{i}")).collect::<Vec<_>>(), "each once, in order");
+}
+
+/// A `metrics` recorder that keeps every counter and histogram, keyed `name{label=value,...}`.
+#[derive(Default)]
+struct Recorded {
+    counters: Mutex<std::collections::BTreeMap<String, Arc<std::sync::atomic::AtomicU64>>>,
+    histograms: Mutex<std::collections::BTreeMap<String, Arc<Observations>>>,
+}
+
+#[derive(Default)]
+struct Observations(Mutex<Vec<f64>>);
+
+impl metrics::HistogramFn for Observations {
+    fn record(&self, value: f64) {
+        self.0.lock().unwrap().push(value);
+    }
+}
+
+fn metric_key(key: &metrics::Key) -> String {
+    let labels: Vec<String> = key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+    format!("{}{{{}}}", key.name(), labels.join(","))
+}
+
+impl metrics::Recorder for Recorded {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(self.counters.lock().unwrap().entry(metric_key(key)).or_default().clone())
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        metrics::Histogram::from_arc(self.histograms.lock().unwrap().entry(metric_key(key)).or_default().clone())
+    }
+}
+
+impl Recorded {
+    fn counter(&self, name: &str, owner: &str) -> u64 {
+        self.counters
+            .lock()
+            .unwrap()
+            .get(&format!("{name}{{owner={owner}}}"))
+            .map_or(0, |c| c.load(std::sync::atomic::Ordering::SeqCst))
+    }
+    fn observations(&self, name: &str, owner: &str) -> Vec<f64> {
+        self.histograms
+            .lock()
+            .unwrap()
+            .get(&format!("{name}{{owner={owner}}}"))
+            .map(|h| h.0.lock().unwrap().clone())
+            .unwrap_or_default()
+    }
+}
+
+/// The `outbox_relay_*` counters add up to `Relay::totals`; one publish latency per
+/// `publish_batch` call, one batch latency per batch.
+#[test]
+fn metrics_add_up_to_the_totals() {
+    let recorded = Recorded::default();
+    metrics::with_local_recorder(&recorded, || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let (_clock, store, broker) = setup().await;
+            store
+                .enqueue(&[event("a1").with_key("a"), event("a2").with_key("a"), event("k1"), event("k2")])
+                .await
+                .unwrap();
+            let flaky = Arc::new(
+                Flaky::new(broker.clone())
+                    .fail_next("a1", Error::permanent(ErrorKind::TooLarge, "flaky", "message too large")),
+            );
+            let relay = Relay::new(Arc::new(store.clone()), flaky.clone(), config("metered"));
+            let report = relay.drain().await.unwrap();
+            let totals = relay.totals();
+            assert_eq!(report, totals);
+            assert_eq!(
+                (totals.claimed, totals.published, totals.parked, totals.released, totals.retried),
+                (4, 2, 1, 1, 0),
+                "{totals:?}"
+            );
+            for (name, want) in [
+                ("outbox_relay_claimed_total", totals.claimed),
+                ("outbox_relay_published_total", totals.published),
+                ("outbox_relay_fenced_total", totals.fenced),
+                ("outbox_relay_retried_total", totals.retried),
+                ("outbox_relay_parked_total", totals.parked),
+                ("outbox_relay_released_total", totals.released),
+                ("outbox_relay_refused_total", totals.refused),
+            ] {
+                assert_eq!(recorded.counter(name, "metered"), want, "{name}");
+            }
+            assert_eq!(recorded.observations("outbox_relay_publish_seconds", "metered").len(), flaky.batches().len());
+            assert_eq!(recorded.observations("outbox_relay_batch_seconds", "metered").len(), 1);
+            // Durable state agrees: the parked row holds its key back.
+            let rows = all_rows(&store).await.unwrap();
+            let status: Vec<_> = rows.iter().map(|r| (r.event.id.to_string(), r.status)).collect();
+            assert_eq!(
+                status,
+                [
+                    ("a1".to_owned(), RowStatus::Parked),
+                    ("a2".to_owned(), RowStatus::Pending),
+                    ("k1".to_owned(), RowStatus::Published),
+                    ("k2".to_owned(), RowStatus::Published)
+                ]
+            );
+        });
+    });
+}
+
+/// Shutdown in the middle of a batch published by the default `publish_batch` (one key, one
+/// publish at a time): the publish in flight finishes and is completed, the rest of the batch is
+/// never sent and is released without an attempt.
+#[tokio::test]
+async fn shutdown_stops_a_batch_between_two_publishes() {
+    let (_clock, store, broker) = setup().await;
+    let events: Vec<Event> = (1..=3).map(|i| event(&format!("e{i}")).with_key("acct-1")).collect();
+    store.enqueue(&events).await.unwrap();
+    let gate = Arc::new((Notify::new(), Notify::new()));
+    let scripted = Scripted { inner: broker.clone(), script: Mutex::default(), gate: Some(gate.clone()) };
+    let relay = Arc::new(Relay::new(Arc::new(store.clone()), Arc::new(scripted), config("r")));
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run().await.unwrap() }
+    });
+    within("the first publish starting", gate.0.notified()).await;
+    relay.shutdown_handle().trigger();
+    gate.1.notify_one();
+    let totals = within("the relay stopping after shutdown", running).await.unwrap();
+    assert_eq!((totals.claimed, totals.published, totals.released, totals.retried), (3, 1, 2, 0), "{totals:?}");
+    let rows = all_rows(&store).await.unwrap();
+    assert_eq!(rows[0].status, RowStatus::Published);
+    for r in &rows[1..] {
+        assert_eq!((r.status, r.attempts, r.owner.as_deref()), (RowStatus::Pending, 0, None), "{r:?}");
+    }
+    assert_eq!(log_ids(&broker), ["e1"]);
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox_core::config::{ConnectionUrl, UrlSpec, env_url, redact};
 use outbox_core::event::DEFAULT_MAX_PAYLOAD;
-use outbox_core::{Error, Result};
+use outbox_core::{Error, ParkedHead, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::error::BACKEND;
@@ -34,6 +34,8 @@ pub(crate) const DERIVED_SUFFIXES: &[&str] = &[
     "events_event_id_key",
     "events_claimable",
     "events_parked",
+    "events_key_open",
+    "events_published",
     "schema_version",
     "schema_version_pkey",
     "inbox_markers",
@@ -84,6 +86,7 @@ pub const MAX_PREFIX_LEN: usize = MAX_IDENTIFIER_LEN - longest_suffix();
 /// | `outbox_lock_timeout_ms` | [`lock_timeout`](PgConfig::lock_timeout) | 2000 |
 /// | `outbox_connect_timeout_ms` | [`connect_timeout`](PgConfig::connect_timeout) | 10000 |
 /// | `outbox_max_payload` | [`max_payload`](PgConfig::max_payload) | 1 MiB |
+/// | `outbox_parked_head` | [`parked_head`](PgConfig::parked_head) | `block` |
 ///
 /// An `outbox_*` parameter not in this table is an error that lists the known ones, so a typo
 /// cannot silently fall back to a default. The user name, password and database are
@@ -102,6 +105,7 @@ pub struct PgConfig {
     lock_timeout: Duration,
     connect_timeout: Duration,
     max_payload: usize,
+    parked_head: ParkedHead,
     application_name: Option<String>,
 }
 
@@ -123,6 +127,7 @@ impl PgConfig {
             lock_timeout: url.outbox_duration_ms("outbox_lock_timeout_ms")?.unwrap_or(Duration::from_secs(2)),
             connect_timeout: url.outbox_duration_ms("outbox_connect_timeout_ms")?.unwrap_or(Duration::from_secs(10)),
             max_payload: url.outbox_usize("outbox_max_payload")?.unwrap_or(DEFAULT_MAX_PAYLOAD),
+            parked_head: url.outbox_parse("outbox_parked_head")?.unwrap_or_default(),
             application_name: None,
             url: url.driver_url(),
         };
@@ -192,6 +197,15 @@ impl PgConfig {
         self
     }
 
+    /// What a parked row does to the later rows of its key when relays claim
+    /// ([`ParkedHead::Block`] by default: the key waits for an operator; see
+    /// [`OutboxStore::claim`](outbox_core::OutboxStore::claim)).
+    #[must_use]
+    pub fn with_parked_head(mut self, parked_head: ParkedHead) -> Self {
+        self.parked_head = parked_head;
+        self
+    }
+
     /// `application_name` of every connection this config opens (shown in `pg_stat_activity`);
     /// overrides the URL's `application_name` parameter. It is part of
     /// [`connect_options`](PgConfig::connect_options), so it applies to a pool built from them
@@ -235,6 +249,12 @@ impl PgConfig {
     /// Largest accepted payload, in bytes.
     pub fn max_payload(&self) -> usize {
         self.max_payload
+    }
+
+    /// What a parked row does to the later rows of its key (see
+    /// [`with_parked_head`](PgConfig::with_parked_head)).
+    pub fn parked_head(&self) -> ParkedHead {
+        self.parked_head
     }
 
     /// The `application_name` set by [`with_application_name`](PgConfig::with_application_name),
@@ -331,6 +351,7 @@ impl fmt::Debug for PgConfig {
             .field("lock_timeout", &self.lock_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("max_payload", &self.max_payload)
+            .field("parked_head", &self.parked_head)
             .field("application_name", &self.application_name)
             .finish()
     }
@@ -406,6 +427,17 @@ mod tests {
         assert_eq!(c.statement_timeout(), Duration::from_secs(5));
         assert_eq!(c.lock_timeout(), Duration::from_secs(2));
         assert_eq!(c.max_payload(), DEFAULT_MAX_PAYLOAD);
+        assert_eq!(c.parked_head(), ParkedHead::Block);
+    }
+
+    #[test]
+    fn parked_head_from_the_url_or_the_builder() {
+        let c = PgConfig::from_url(&format!("{URL}?outbox_parked_head=skip")).unwrap();
+        assert_eq!(c.parked_head(), ParkedHead::Skip);
+        assert_eq!(c.with_parked_head(ParkedHead::Block).parked_head(), ParkedHead::Block);
+        let err = PgConfig::from_url(&format!("{URL}?outbox_parked_head=sometimes")).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("outbox_parked_head"), "{err}");
     }
 
     #[test]

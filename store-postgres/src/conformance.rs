@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_conformance_tests::world::unique_tag;
 use outbox_conformance_tests::{EffectRow, EffectTable, StoreFixture, StoreHarness};
-use outbox_core::{EventId, ManualClock, Result};
+use outbox_core::{EventId, ManualClock, ParkedHead, Result};
 use sqlx::{AssertSqlSafe, Connection, PgPool, Row};
 
 use crate::{PgConfig, PgInbox, PgStore, PgTx, map_error};
@@ -148,7 +148,20 @@ impl StoreHarness for PgStoreHarness {
         120
     }
 
-    async fn fixture(&self, _case: &str, clock: ManualClock) -> Result<StoreFixture<PgInbox>> {
+    async fn fixture(&self, case: &str, clock: ManualClock) -> Result<StoreFixture<PgInbox>> {
+        self.fixture_with_parked_head(case, clock, ParkedHead::Block).await
+    }
+
+    fn configures_parked_head(&self) -> bool {
+        true
+    }
+
+    async fn fixture_with_parked_head(
+        &self,
+        _case: &str,
+        clock: ManualClock,
+        parked_head: ParkedHead,
+    ) -> Result<StoreFixture<PgInbox>> {
         let schema = format!("obt_suite_{}", unique_tag());
         let config = self
             .base
@@ -156,7 +169,8 @@ impl StoreHarness for PgStoreHarness {
             .with_application_name(schema.clone())
             .with_schema(schema)
             .with_pool_size(4)
-            .with_lock_timeout(Duration::from_secs(5));
+            .with_lock_timeout(Duration::from_secs(5))
+            .with_parked_head(parked_head);
         self.created().push(config.clone());
         let store = PgStore::connect_with_clock(config, Arc::new(clock)).await?;
         store.migrate().await?;

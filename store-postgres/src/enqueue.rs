@@ -36,6 +36,8 @@ pub async fn enqueue(
     outbox: &(impl AsRef<PgTables> + ?Sized),
     events: &[Event],
 ) -> Result<Vec<RowId>> {
+    // The caller's trace travels with the events (free without `opentelemetry`).
+    let events: &[Event] = &outbox_core::telemetry::with_trace_context(events);
     let tables = outbox.as_ref();
     for e in events {
         e.validate(tables.max_payload())?;

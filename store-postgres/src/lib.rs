@@ -7,6 +7,7 @@ mod enqueue;
 mod error;
 mod inbox;
 mod notify;
+mod retention;
 mod store;
 mod tables;
 

@@ -4,7 +4,9 @@
 //! decides atomically whether a stale relay may act; the store never reads a row and then
 //! decides in Rust. The claim takes `FOR UPDATE SKIP LOCKED` row locks so concurrent relays pass
 //! each other instead of queueing, and walks the partial index of open rows, so its cost depends
-//! on the backlog, not on how many published rows are kept.
+//! on the backlog, not on how many published rows are kept. Key order is part of the same
+//! statement (see `tables::claim_sql`): a row whose key has an earlier unpublished row outside
+//! the claim is never taken, so no relay, retry or overlapped batch overtakes a key's head.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -14,7 +16,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_core::{
     Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxAdmin, OutboxRecord, OutboxStats,
-    OutboxStore, Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, Timestamp, Wakeup,
+    OutboxStore, Outcome, ParkedHead, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, Timestamp, Wakeup,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
@@ -177,6 +179,15 @@ impl PgStore {
     pub fn with_clock(mut self, clock: SharedClock) -> Self {
         let tables = (*self.tables).clone().with_clock(clock);
         self.tables = Arc::new(tables);
+        self
+    }
+
+    /// The same store (same pool and clock) with the claim treating a parked head row as
+    /// `parked_head` (see [`PgConfig::with_parked_head`]).
+    #[must_use]
+    pub fn with_parked_head(mut self, parked_head: ParkedHead) -> Self {
+        self.tables = Arc::new((*self.tables).clone().with_parked_head(parked_head));
+        self.config = Arc::new((*self.config).clone().with_parked_head(parked_head));
         self
     }
 
@@ -732,6 +743,12 @@ impl OutboxAdmin for PgStore {
                 })
             })
             .collect()
+    }
+
+    /// One `DELETE` of at most `limit` rows over the `events_published` index; see the
+    /// crate's "Retention".
+    async fn purge_published(&self, older_than: Duration, limit: usize) -> Result<u64> {
+        crate::retention::purge_published(self, older_than, limit).await
     }
 }
 

@@ -8,7 +8,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use outbox_core::{Result, SharedClock};
+use outbox_core::{ParkedHead, Result, SharedClock};
 
 use crate::config::PgConfig;
 
@@ -46,7 +46,9 @@ fn columns(alias: &str) -> String {
 ///
 /// - 1: outbox rows and the inbox tables.
 /// - 2: consumer dead letters keep the whole event (`destination`, `key`, `headers`).
-pub const SCHEMA_VERSION: i32 = 2;
+/// - 3: an index on `published_at` of published rows, for retention (`purge_published`).
+/// - 4: an index on `(key, id)` of unpublished keyed rows, for the claim's key order.
+pub const SCHEMA_VERSION: i32 = 4;
 
 /// Generated statement texts.
 #[derive(Debug, Clone)]
@@ -78,6 +80,7 @@ pub(crate) struct Sql {
     pub(crate) dead_letters: Arc<str>,
     pub(crate) remove_dead_letters: Arc<str>,
     pub(crate) prune: Arc<str>,
+    pub(crate) purge_published: Arc<str>,
     pub(crate) version_table: Arc<str>,
     pub(crate) version_read: Arc<str>,
     pub(crate) version_insert_row: Arc<str>,
@@ -96,6 +99,7 @@ pub struct PgTables {
     prefix: String,
     max_payload: usize,
     clock: Option<SharedClock>,
+    parked_head: ParkedHead,
     pub(crate) sql: Sql,
 }
 
@@ -108,8 +112,23 @@ impl PgTables {
         config.validate()?;
         let schema = config.schema().to_string();
         let prefix = config.table_prefix().to_string();
-        let sql = Sql::generate(&schema, &prefix);
-        Ok(Self { schema, prefix, max_payload: config.max_payload(), clock: None, sql })
+        let parked_head = config.parked_head();
+        let sql = Sql::generate(&schema, &prefix, parked_head);
+        Ok(Self { schema, prefix, max_payload: config.max_payload(), clock: None, parked_head, sql })
+    }
+
+    /// The same tables with the claim treating a parked head row as `parked_head` (see
+    /// [`PgConfig::with_parked_head`]).
+    #[must_use]
+    pub fn with_parked_head(mut self, parked_head: ParkedHead) -> Self {
+        self.parked_head = parked_head;
+        self.sql = Sql::generate(&self.schema, &self.prefix, parked_head);
+        self
+    }
+
+    /// What the claim does with a parked head row.
+    pub fn parked_head(&self) -> ParkedHead {
+        self.parked_head
     }
 
     /// Use `clock` instead of the database clock for every time this store writes or compares.
@@ -179,6 +198,15 @@ impl PgTables {
         &self.sql.claim
     }
 
+    /// The retention statement ([`purge_published`](outbox_core::OutboxAdmin::purge_published)),
+    /// exactly as the store runs it. Parameters: `$1` now in ms (`NULL`: database clock), `$2`
+    /// age in ms, `$3` limit. For `EXPLAIN` in tests: only with the `testkit` feature, not part
+    /// of the stable API.
+    #[cfg(any(test, feature = "testkit"))]
+    pub fn purge_published_sql(&self) -> &str {
+        &self.sql.purge_published
+    }
+
     /// The statements of each migration, by version. Only with the `testkit` feature, not part
     /// of the stable API.
     #[cfg(any(test, feature = "testkit"))]
@@ -205,6 +233,7 @@ impl fmt::Debug for PgTables {
             .field("prefix", &self.prefix)
             .field("max_payload", &self.max_payload)
             .field("clock", &self.clock)
+            .field("parked_head", &self.parked_head)
             .finish_non_exhaustive()
     }
 }
@@ -219,7 +248,7 @@ pub(crate) fn qualified(schema: &str, name: &str) -> String {
 }
 
 impl Sql {
-    fn generate(schema: &str, p: &str) -> Self {
+    fn generate(schema: &str, p: &str, parked_head: ParkedHead) -> Self {
         let t = |name: &str| qualified(schema, &format!("{p}{name}"));
         let n = |name: &str| quote(&format!("{p}{name}"));
         let events = t("events");
@@ -318,6 +347,19 @@ CREATE INDEX {dead_consumer} ON {dead} (consumer, id);",
 ALTER TABLE {dead} ALTER COLUMN destination DROP DEFAULT, ALTER COLUMN headers DROP DEFAULT;"
         );
 
+        // Retention walks published rows oldest first without touching open ones.
+        let v3 = format!(
+            "CREATE INDEX {events_published} ON {events} (published_at) WHERE published_at IS NOT NULL;",
+            events_published = n("events_published"),
+        );
+
+        // The claim's key order looks up a key's unpublished rows by (key, id): parked ones too,
+        // which block their key under `ParkedHead::Block`; rows without a key never enter it.
+        let v4 = format!(
+            "CREATE INDEX {events_key_open} ON {events} (key, id) WHERE published_at IS NULL AND key IS NOT NULL;",
+            events_key_open = n("events_key_open"),
+        );
+
         // Notified at commit (never on rollback) to wake relays; see `crate::notify`.
         let channel = crate::notify::channel_name(schema, p);
         Self {
@@ -340,24 +382,7 @@ SELECT false AS duplicate, event_id, id FROM ins LEFT JOIN woke ON true
 UNION ALL
 SELECT true AS duplicate, event_id, NULL::bigint AS id FROM dup"
             )),
-            claim: s(format!(
-                "WITH c AS (
-    SELECT id FROM {events}
-    WHERE {open}
-      AND available_at <= {NOW}
-      AND (lease_expires_at IS NULL OR lease_expires_at <= {NOW})
-    ORDER BY id
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-), u AS (
-    UPDATE {events} AS t
-    SET token = t.token + 1, owner = $3, lease_expires_at = {NOW} + $4
-    FROM c
-    WHERE t.id = c.id
-    RETURNING {tcols}
-)
-SELECT * FROM u ORDER BY id"
-            )),
+            claim: s(claim_sql(&events, &tcols, parked_head)),
             complete: s(format!(
                 "UPDATE {events} SET published_token = token, published_at = {NOW}, lease_expires_at = NULL
 WHERE {fence} RETURNING id"
@@ -453,6 +478,7 @@ WHERE consumer = $1 ORDER BY id"
 SELECT count(*) FROM gone"
             )),
             prune: s(format!("DELETE FROM {markers} WHERE consumer = $2 AND at < {NOW} - $3")),
+            purge_published: s(crate::retention::purge_published_sql(&events, NOW)),
             version_table: s(format!(
                 "CREATE TABLE IF NOT EXISTS {version} (
     version integer CONSTRAINT {pkey} PRIMARY KEY,
@@ -462,9 +488,87 @@ SELECT count(*) FROM gone"
             )),
             version_read: s(format!("SELECT max(version) FROM {version}")),
             version_insert_row: s(format!("INSERT INTO {version} (version) VALUES ($1)")),
-            migrations: vec![(1, s(v1)), (2, s(v2))],
+            migrations: vec![(1, s(v1)), (2, s(v2)), (3, s(v3)), (4, s(v4))],
         }
     }
+}
+
+/// The claim statement: `$1` now in ms (`NULL`: database clock), `$2` limit, `$3` owner, `$4`
+/// lease in ms.
+///
+/// Key order (see [`OutboxStore::claim`](outbox_core::OutboxStore::claim)) in two steps, so that
+/// the cost follows the batch, not a key's backlog:
+///
+/// 1. `c` walks the open rows in id order (the `events_claimable` index) and takes, with
+///    `FOR UPDATE SKIP LOCKED`, the first `$2` that are due, unleased, and whose key's head (its
+///    oldest unpublished row) and predecessor (its previous unpublished row) are not blocked —
+///    two one-entry probes of `events_key_open`. This keeps the rows of a key stuck behind a
+///    backing-off, leased or parked head out of the batch, so they cannot crowd out other keys.
+/// 2. `ok` keeps a row of `c` only if every earlier unpublished row of its key is in `c` too: per
+///    key of the batch, the first unpublished row that is not in `c` (the "gap": a row blocked in
+///    the middle of a key, skipped because another claim holds its lock, or changed since the
+///    statement's snapshot) drops the key's rows after it. Rows `c` locked but `ok` dropped are
+///    left unchanged and unlocked when the statement ends.
+///
+/// Rows without a key skip both checks. Under [`ParkedHead::Skip`] parked rows are left out of a
+/// key's chain (the probes step over them); under `Block` a parked row blocks like a leased one.
+/// The probes use row comparisons on `(key, id)` so that only `events_key_open` can serve them
+/// (a plain `key = …` probe may be planned on the primary key, walking every published row).
+fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
+    let (chain, parked_blocks) = match parked_head {
+        ParkedHead::Block => ("", "{a}.parked_at IS NOT NULL OR "),
+        ParkedHead::Skip => ("AND {a}.parked_at IS NULL", ""),
+    };
+    let chain = |a: &str| chain.replace("{a}", a);
+    let blocked = |a: &str| {
+        format!("{}{a}.available_at > {NOW} OR {a}.lease_expires_at > {NOW}", parked_blocks.replace("{a}", a))
+    };
+    let (chain_h, chain_p, chain_e) = (chain("h"), chain("p"), chain("e"));
+    let (blocked_h, blocked_p) = (blocked("h"), blocked("p"));
+    format!(
+        "WITH c AS (
+    SELECT t.id, t.key FROM {events} t
+    WHERE t.published_at IS NULL AND t.parked_at IS NULL
+      AND t.available_at <= {NOW}
+      AND (t.lease_expires_at IS NULL OR t.lease_expires_at <= {NOW})
+      AND (t.key IS NULL OR NOT EXISTS (
+          SELECT 1 FROM (
+              SELECT h.id, h.key, h.parked_at, h.available_at, h.lease_expires_at FROM {events} h
+              WHERE (h.key, h.id) > (t.key, 0::bigint) AND h.key IS NOT NULL AND h.published_at IS NULL {chain_h}
+              ORDER BY h.key, h.id LIMIT 1
+          ) h
+          WHERE h.key = t.key AND h.id < t.id AND ({blocked_h})
+      ) AND NOT EXISTS (
+          SELECT 1 FROM (
+              SELECT p.key, p.parked_at, p.available_at, p.lease_expires_at FROM {events} p
+              WHERE (p.key, p.id) < (t.key, t.id) AND p.key IS NOT NULL AND p.published_at IS NULL {chain_p}
+              ORDER BY p.key DESC, p.id DESC LIMIT 1
+          ) p
+          WHERE p.key = t.key AND ({blocked_p})
+      ))
+    ORDER BY t.id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), k AS (
+    SELECT DISTINCT key FROM c WHERE key IS NOT NULL
+), g AS MATERIALIZED (
+    SELECT k.key, x.id AS gap FROM k LEFT JOIN LATERAL (
+        SELECT e.key, e.id FROM {events} e
+        WHERE (e.key, e.id) > (k.key, 0::bigint) AND e.key IS NOT NULL AND e.published_at IS NULL {chain_e}
+          AND e.id NOT IN (SELECT id FROM c)
+        ORDER BY e.key, e.id LIMIT 1
+    ) x ON x.key = k.key
+), ok AS (
+    SELECT c.id FROM c LEFT JOIN g ON g.key = c.key WHERE g.gap IS NULL OR c.id < g.gap
+), u AS (
+    UPDATE {events} AS t
+    SET token = t.token + 1, owner = $3, lease_expires_at = {NOW} + $4
+    FROM ok
+    WHERE t.id = ok.id
+    RETURNING {tcols}
+)
+SELECT * FROM u ORDER BY id"
+    )
 }
 
 #[cfg(test)]

@@ -64,3 +64,77 @@ async fn claim_plan_uses_the_partial_index() {
 async fn db_exec(conn: &mut sqlx::PgConnection, sql: String) {
     sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await.unwrap();
 }
+
+/// The claim with key order, over a realistic keyed backlog (ANALYZEd): 100,000 published rows of
+/// 5,000 keys, 10,000 pending rows of 2,000 keys, 500 rows without a key, and some keys blocked
+/// (a row backing off, a leased row, a parked row). Every probe of the key order must be an index
+/// scan: no `Seq Scan` anywhere in the plan, the custom one or the generic one.
+#[tokio::test]
+async fn keyed_claim_plan_uses_indexes_only() {
+    let Some(db) = TestDb::new("explain_keys").await else { return };
+    let tables = db.store.tables();
+    let events = tables.table("events").unwrap();
+    db.exec(format!(
+        "INSERT INTO {events} (event_id, destination, key, headers, payload, token, owner, available_at, created_at, \
+             published_token, published_at)
+         SELECT 'pub-' || g, 'orders', 'k' || (g % 5000), '\\x0100000000'::bytea, convert_to('payload ' || g, 'UTF8'),
+                1, 'relay', 0, 0, 1, 0
+         FROM generate_series(1, 100000) g;
+         INSERT INTO {events} (event_id, destination, key, headers, payload, available_at, created_at)
+         SELECT 'pend-' || g, 'orders', CASE WHEN g % 20 = 0 THEN NULL ELSE 'k' || (g % 2000) END, '\\x0100000000'::bytea,
+                convert_to('payload ' || g, 'UTF8'), 0, 0
+         FROM generate_series(1, 10000) g;
+         UPDATE {events} SET available_at = 9000000000000 WHERE event_id IN ('pend-1', 'pend-2');
+         UPDATE {events} SET owner = 'other', token = 1, lease_expires_at = 9000000000000 WHERE event_id = 'pend-3';
+         UPDATE {events} SET parked_at = 0 WHERE event_id = 'pend-4';
+         ANALYZE {events};"
+    ))
+    .await;
+    let claim = |limit: i64| {
+        sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("EXPLAIN {}", tables.claim_sql())))
+            .bind(None::<i64>)
+            .bind(limit)
+            .bind("relay-explain")
+            .bind(30_000_i64)
+    };
+    let claimable = format!("{}events_claimable", tables.prefix());
+    let key_open = format!("{}events_key_open", tables.prefix());
+    for limit in [100_i64, 500] {
+        let plan = claim(limit).fetch_all(db.store.pool()).await.unwrap().join("\n");
+        println!("-- EXPLAIN of the keyed claim, limit {limit}\n{plan}");
+        assert!(!plan.contains("Seq Scan"), "a sequential scan in the claim plan:\n{plan}");
+        assert!(plan.contains(&format!("Index Scan using {claimable}")), "{claimable} not used:\n{plan}");
+        assert!(plan.contains(&key_open), "{key_open} not used:\n{plan}");
+    }
+
+    // Executed and rolled back: the blocked keys' later rows are not taken.
+    let mut tx = db.store.pool().begin().await.unwrap();
+    let analyzed: Vec<String> =
+        sqlx::query_scalar(AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) {}", tables.claim_sql())))
+            .bind(None::<i64>)
+            .bind(500_i64)
+            .bind("relay-explain")
+            .bind(30_000_i64)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    let analyzed = analyzed.join("\n");
+    println!("-- EXPLAIN (ANALYZE, BUFFERS) of the keyed claim, rolled back\n{analyzed}");
+    assert!(!analyzed.contains("Seq Scan"), "{analyzed}");
+
+    // The generic plan, as a prepared statement may use it.
+    let mut conn = db.store.pool().acquire().await.unwrap();
+    db_exec(&mut conn, format!("PREPARE claim_keys(bigint, bigint, text, bigint) AS {}", tables.claim_sql())).await;
+    db_exec(&mut conn, "SET plan_cache_mode = force_generic_plan".into()).await;
+    let generic: Vec<String> =
+        sqlx::query_scalar(AssertSqlSafe("EXPLAIN EXECUTE claim_keys(1767225600000, 500, 'relay', 30000)"))
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+    db_exec(&mut conn, "DEALLOCATE claim_keys; RESET plan_cache_mode".into()).await;
+    let generic = generic.join("\n");
+    println!("-- generic plan of the keyed claim\n{generic}");
+    assert!(!generic.contains("Seq Scan"), "generic plan:\n{generic}");
+    assert!(generic.contains(&key_open), "generic plan:\n{generic}");
+}

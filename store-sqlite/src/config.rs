@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox_core::config::{ConnectionUrl, UrlSpec, encode_path, env_url};
 use outbox_core::event::DEFAULT_MAX_PAYLOAD;
-use outbox_core::{Error, Result};
+use outbox_core::{Error, ParkedHead, Result};
 use rusqlite::{Connection, OpenFlags};
 
 use crate::error::{BACKEND, ResultExt};
@@ -107,6 +107,10 @@ pub struct SqliteConfig {
     pub pool_size: usize,
     /// Largest accepted payload in bytes (URL `outbox_max_payload`); 1 MiB by default.
     pub max_payload: usize,
+    /// What a parked row does to the later rows of its key when relays claim (URL
+    /// `outbox_parked_head=block|skip`); [`ParkedHead::Block`] by default (see
+    /// [`OutboxStore::claim`](outbox_core::OutboxStore::claim)).
+    pub parked_head: ParkedHead,
 }
 
 impl SqliteConfig {
@@ -118,7 +122,15 @@ impl SqliteConfig {
             busy_timeout: DEFAULT_BUSY_TIMEOUT,
             pool_size: DEFAULT_POOL_SIZE,
             max_payload: DEFAULT_MAX_PAYLOAD,
+            parked_head: ParkedHead::Block,
         }
+    }
+
+    /// Set [`parked_head`](SqliteConfig::parked_head).
+    #[must_use]
+    pub fn with_parked_head(mut self, parked_head: ParkedHead) -> Self {
+        self.parked_head = parked_head;
+        self
     }
 
     /// Set [`synchronous`](SqliteConfig::synchronous).
@@ -184,6 +196,9 @@ impl SqliteConfig {
         }
         if let Some(bytes) = url.outbox_usize("outbox_max_payload")? {
             config.max_payload = bytes;
+        }
+        if let Some(parked_head) = url.outbox_parse("outbox_parked_head")? {
+            config.parked_head = parked_head;
         }
         url.reject_driver_params()?;
         url.finish()?;
@@ -275,11 +290,13 @@ impl fmt::Display for SqliteConfig {
         }
         write!(
             f,
-            "?outbox_synchronous={}&outbox_busy_timeout_ms={}&outbox_pool_size={}&outbox_max_payload={}",
+            "?outbox_synchronous={}&outbox_busy_timeout_ms={}&outbox_pool_size={}&outbox_max_payload={}\
+             &outbox_parked_head={}",
             self.synchronous,
             self.busy_timeout.as_millis(),
             self.pool_size,
-            self.max_payload
+            self.max_payload,
+            self.parked_head
         )
     }
 }
@@ -293,9 +310,10 @@ mod tests {
     fn parses_absolute_url_with_parameters() {
         let c = SqliteConfig::from_url(
             "sqlite:///tmp/a%20b.db?outbox_synchronous=normal&outbox_busy_timeout_ms=250&outbox_pool_size=8\
-             &outbox_max_payload=10",
+             &outbox_max_payload=10&outbox_parked_head=skip",
         )
         .unwrap();
+        assert_eq!(c.parked_head, ParkedHead::Skip);
         assert_eq!(c.path, PathBuf::from("/tmp/a b.db"));
         assert_eq!(c.synchronous, Synchronous::Normal);
         assert_eq!(c.busy_timeout, Duration::from_millis(250));
@@ -310,6 +328,7 @@ mod tests {
         assert_eq!(c, SqliteConfig::new("data/outbox.db"));
         assert_eq!(c.synchronous, Synchronous::Full);
         assert_eq!(c.busy_timeout, DEFAULT_BUSY_TIMEOUT);
+        assert_eq!(c.parked_head, ParkedHead::Block);
         assert_eq!(SqliteConfig::from_url("sqlite://data/outbox.db").unwrap().path, PathBuf::from("data/outbox.db"));
         assert_eq!(SqliteConfig::from_url(&c.to_string()).unwrap(), c);
     }
@@ -321,6 +340,7 @@ mod tests {
             "sqlite://",
             "sqlite::memory:",
             "sqlite:///x.db?outbox_synchronous=off",
+            "sqlite:///x.db?outbox_parked_head=sometimes",
             "sqlite:///x.db?outbox_pool_size=0",
             "sqlite:///x.db?outbox_pool_size=many",
             "sqlite:///x.db?outbox_busy_timeout_ms=-1",
@@ -343,7 +363,9 @@ mod tests {
         assert!(text.starts_with("sqlite: "), "{text}");
         assert!(text.contains("\"busy_timeout_ms\""), "{text}");
         assert!(
-            text.contains("outbox_busy_timeout_ms, outbox_max_payload, outbox_pool_size, outbox_synchronous"),
+            text.contains(
+                "outbox_busy_timeout_ms, outbox_max_payload, outbox_parked_head, outbox_pool_size, outbox_synchronous"
+            ),
             "{text}"
         );
         let err = SqliteConfig::from_url("sqlite:///x.db?outbox_synchronous=off").unwrap_err();

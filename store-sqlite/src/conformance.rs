@@ -12,7 +12,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use outbox_conformance_tests::world::unique_tag;
 use outbox_conformance_tests::{EffectRow, EffectTable, StoreFixture, StoreHarness};
-use outbox_core::{Error, ErrorKind, EventId, ManualClock, Result};
+use outbox_core::{Error, ErrorKind, EventId, ManualClock, ParkedHead, Result};
 use rusqlite::params;
 
 use crate::{SqliteConfig, SqliteStore, SqliteTx, Synchronous};
@@ -119,8 +119,25 @@ impl StoreHarness for SqliteStoreHarness {
     }
 
     async fn fixture(&self, case: &str, clock: ManualClock) -> Result<StoreFixture<SqliteStore>> {
+        self.fixture_with_parked_head(case, clock, ParkedHead::Block).await
+    }
+
+    fn configures_parked_head(&self) -> bool {
+        true
+    }
+
+    async fn fixture_with_parked_head(
+        &self,
+        case: &str,
+        clock: ManualClock,
+        parked_head: ParkedHead,
+    ) -> Result<StoreFixture<SqliteStore>> {
         let tag = unique_tag();
-        let config = |role| SqliteConfig::new(self.file(case, &tag, role)).with_synchronous(Synchronous::Normal);
+        let config = |role| {
+            SqliteConfig::new(self.file(case, &tag, role))
+                .with_synchronous(Synchronous::Normal)
+                .with_parked_head(parked_head)
+        };
         let outbox = SqliteStore::open_with_clock(config("outbox"), Arc::new(clock.clone())).await?;
         let inbox = SqliteStore::open_with_clock(config("inbox"), Arc::new(clock)).await?;
         inbox

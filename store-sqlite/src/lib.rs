@@ -7,6 +7,7 @@ mod enqueue;
 mod error;
 mod inbox;
 mod pool;
+mod retention;
 mod schema;
 mod store;
 

@@ -14,7 +14,9 @@ use crate::error::{BACKEND, ResultExt, map_commit};
 ///
 /// - 1: outbox rows and the inbox tables.
 /// - 2: consumer dead letters keep the whole event (destination, key, headers).
-pub const SCHEMA_VERSION: i64 = 2;
+/// - 3: an index on `published_at` of published rows, for retention (`purge_published`).
+/// - 4: an index on `(event_key, row_id)` of unpublished keyed rows, for the claim's key order.
+pub const SCHEMA_VERSION: i64 = 4;
 
 const V1: &str = r"
 CREATE TABLE outbox_rows (
@@ -102,8 +104,20 @@ ALTER TABLE outbox_inbox_dead_letters ADD COLUMN event_key TEXT;
 ALTER TABLE outbox_inbox_dead_letters ADD COLUMN headers BLOB NOT NULL DEFAULT x'0100000000';
 ";
 
+/// Serves retention: published rows, oldest publication first, without reading the open ones.
+const V3: &str = r"
+CREATE INDEX outbox_rows_published ON outbox_rows (published_at) WHERE published_at IS NOT NULL;
+";
+
+/// Serves the claim's key order: a key's unpublished rows (parked ones too, which block their key
+/// under `ParkedHead::Block`) in row order; rows without a key never enter it.
+const V4: &str = r"
+CREATE INDEX outbox_rows_key_open ON outbox_rows (event_key, row_id)
+    WHERE published_token IS NULL AND event_key IS NOT NULL;
+";
+
 /// `(version, SQL)`, ascending; the last version is [`SCHEMA_VERSION`].
-const MIGRATIONS: &[(i64, &str)] = &[(1, V1), (2, V2)];
+const MIGRATIONS: &[(i64, &str)] = &[(1, V1), (2, V2), (3, V3), (4, V4)];
 
 /// Bring the file to [`SCHEMA_VERSION`]; returns the version found before.
 pub(crate) fn migrate(conn: &mut Connection, now: Timestamp) -> Result<i64> {

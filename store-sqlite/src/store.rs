@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_core::{
     Claimed, Completion, Destination, Error, ErrorKind, Event, EventId, Lease, OutboxAdmin, OutboxRecord, OutboxStats,
-    OutboxStore, Outcome, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, SystemClock, Timestamp,
-    Wakeup, WakeupSender,
+    OutboxStore, Outcome, ParkedHead, ParkedRow, Result, RowId, RowSnapshot, RowStatus, SharedClock, SystemClock,
+    Timestamp, Wakeup, WakeupSender,
 };
 use rusqlite::types::Value;
 use rusqlite::{Connection, Transaction, TransactionBehavior};
@@ -75,6 +75,7 @@ macro_rules! holds_lease {
 pub struct SqliteStore {
     pool: Arc<Pool>,
     clock: SharedClock,
+    parked_head: ParkedHead,
     wakeup: WakeupSender,
 }
 
@@ -131,7 +132,8 @@ impl SqliteStore {
         })
         .await?;
         tracing::debug!(target: "outbox.sqlite", path = %config.path.display(), "opened");
-        Ok(Self { pool: Pool::new(config, conn), clock, wakeup: WakeupSender::new() })
+        let parked_head = config.parked_head;
+        Ok(Self { pool: Pool::new(config, conn), clock, parked_head, wakeup: WakeupSender::new() })
     }
 
     /// Apply this crate's migrations up to [`SCHEMA_VERSION`](crate::SCHEMA_VERSION); returns the
@@ -199,6 +201,20 @@ impl SqliteStore {
         self.pool.config()
     }
 
+    /// The same store (same pool, clock and wake-up signal) with the claim treating a parked head
+    /// row as `parked_head` instead of the configured
+    /// [`parked_head`](SqliteConfig::parked_head).
+    #[must_use]
+    pub fn with_parked_head(mut self, parked_head: ParkedHead) -> Self {
+        self.parked_head = parked_head;
+        self
+    }
+
+    /// What the claim does with a parked head row.
+    pub fn parked_head(&self) -> ParkedHead {
+        self.parked_head
+    }
+
     /// The clock the store reads "now" from.
     pub fn clock(&self) -> &SharedClock {
         &self.clock
@@ -224,6 +240,8 @@ impl SqliteStore {
     /// # Errors
     /// As [`enqueue`](crate::enqueue).
     pub fn enqueue_in(&self, tx: &Transaction<'_>, events: &[Event]) -> Result<Vec<RowId>> {
+        // The caller's trace travels with the events (free without `opentelemetry`).
+        let events: &[Event] = &outbox_core::telemetry::with_trace_context(events);
         let ids = insert_events(tx, events, self.clock.now(), self.pool.config().max_payload)?;
         if !ids.is_empty() {
             self.wakeup.notify();
@@ -454,6 +472,83 @@ impl StoredRow {
     }
 }
 
+/// The rows a claim at `now` takes, at most `limit`, in row order, under key order (see
+/// [`OutboxStore::claim`]). Runs inside the claim's `BEGIN IMMEDIATE` transaction, so nothing
+/// changes between its two steps:
+///
+/// 1. candidates: open rows in row order that are due and unleased and whose key's head (oldest
+///    unpublished row) and predecessor (previous unpublished row) are not blocked — two one-row
+///    probes of `outbox_rows_key_open`, which keep a key stuck behind its head out of the batch;
+/// 2. per key of the candidates, only the prefix of the key's unpublished rows is kept: a row
+///    blocked in the middle of a key (its head claimable, a later row backing off) stops the key
+///    there.
+///
+/// Under [`ParkedHead::Skip`] parked rows are left out of a key's chain; under `Block` they block.
+fn claimable_ids(tx: &Transaction<'_>, parked_head: ParkedHead, now: Timestamp, limit: i64) -> Result<Vec<i64>> {
+    const BLOCK: &str = "SELECT o.row_id, o.event_key FROM outbox_rows o
+         WHERE o.published_token IS NULL AND o.parked_at IS NULL
+           AND o.available_at <= ?1 AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= ?1)
+           AND (o.event_key IS NULL OR (
+               COALESCE((SELECT h.parked_at IS NOT NULL OR h.available_at > ?1 OR COALESCE(h.lease_expires_at > ?1, 0)
+                         FROM outbox_rows h
+                         WHERE h.event_key = o.event_key AND h.event_key IS NOT NULL AND h.published_token IS NULL
+                         ORDER BY h.row_id LIMIT 1), 0) = 0
+               AND COALESCE((SELECT p.parked_at IS NOT NULL OR p.available_at > ?1 OR COALESCE(p.lease_expires_at > ?1, 0)
+                         FROM outbox_rows p
+                         WHERE p.event_key = o.event_key AND p.event_key IS NOT NULL AND p.published_token IS NULL
+                           AND p.row_id < o.row_id
+                         ORDER BY p.row_id DESC LIMIT 1), 0) = 0))
+         ORDER BY o.row_id LIMIT ?2";
+    const SKIP: &str = "SELECT o.row_id, o.event_key FROM outbox_rows o
+         WHERE o.published_token IS NULL AND o.parked_at IS NULL
+           AND o.available_at <= ?1 AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= ?1)
+           AND (o.event_key IS NULL OR (
+               COALESCE((SELECT h.available_at > ?1 OR COALESCE(h.lease_expires_at > ?1, 0)
+                         FROM outbox_rows h
+                         WHERE h.event_key = o.event_key AND h.event_key IS NOT NULL AND h.published_token IS NULL
+                           AND h.parked_at IS NULL
+                         ORDER BY h.row_id LIMIT 1), 0) = 0
+               AND COALESCE((SELECT p.available_at > ?1 OR COALESCE(p.lease_expires_at > ?1, 0)
+                         FROM outbox_rows p
+                         WHERE p.event_key = o.event_key AND p.event_key IS NOT NULL AND p.published_token IS NULL
+                           AND p.parked_at IS NULL AND p.row_id < o.row_id
+                         ORDER BY p.row_id DESC LIMIT 1), 0) = 0))
+         ORDER BY o.row_id LIMIT ?2";
+    const CHAIN_BLOCK: &str = "SELECT row_id FROM outbox_rows
+         WHERE event_key = ?1 AND event_key IS NOT NULL AND published_token IS NULL ORDER BY row_id LIMIT ?2";
+    const CHAIN_SKIP: &str = "SELECT row_id FROM outbox_rows
+         WHERE event_key = ?1 AND event_key IS NOT NULL AND published_token IS NULL AND parked_at IS NULL
+         ORDER BY row_id LIMIT ?2";
+    let what = "claim";
+    let (candidates_sql, chain_sql) = match parked_head {
+        ParkedHead::Block => (BLOCK, CHAIN_BLOCK),
+        ParkedHead::Skip => (SKIP, CHAIN_SKIP),
+    };
+    let candidates: Vec<(i64, Option<String>)> = tx
+        .prepare_cached(candidates_sql)
+        .ctx(what)?
+        .query_map((now.0, limit), |r| Ok((r.get(0)?, r.get(1)?)))
+        .ctx(what)?
+        .collect::<rusqlite::Result<_>>()
+        .ctx(what)?;
+    let mut by_key: std::collections::BTreeMap<&str, Vec<i64>> = std::collections::BTreeMap::new();
+    for (id, key) in &candidates {
+        if let Some(k) = key {
+            by_key.entry(k.as_str()).or_default().push(*id);
+        }
+    }
+    let mut dropped = std::collections::HashSet::new();
+    let mut chain = tx.prepare_cached(chain_sql).ctx(what)?;
+    for (key, ids) in &by_key {
+        let n = i64::try_from(ids.len()).unwrap_or(i64::MAX);
+        let unpublished: Vec<i64> =
+            chain.query_map((key, n), |r| r.get(0)).ctx(what)?.collect::<rusqlite::Result<_>>().ctx(what)?;
+        let prefix = ids.iter().zip(&unpublished).take_while(|(a, b)| a == b).count();
+        dropped.extend(ids[prefix..].iter().copied());
+    }
+    Ok(candidates.into_iter().map(|(id, _)| id).filter(|id| !dropped.contains(id)).collect())
+}
+
 fn query_rows(conn: &Connection, what: &str, sql: &str, params: impl rusqlite::Params) -> Result<Vec<StoredRow>> {
     let mut stmt = conn.prepare_cached(sql).ctx(what)?;
     let raw = stmt.query_map(params, RawRow::read).ctx(what)?.collect::<rusqlite::Result<Vec<_>>>().ctx(what)?;
@@ -474,7 +569,8 @@ impl OutboxStore for SqliteStore {
         if events.is_empty() {
             return Ok(Vec::new());
         }
-        let events = events.to_vec();
+        // Injected here, on the caller's span, not on the pool's thread.
+        let events = outbox_core::telemetry::with_trace_context(events).into_owned();
         let clock = Arc::clone(&self.clock);
         let ids = self
             .pool
@@ -492,26 +588,27 @@ impl OutboxStore for SqliteStore {
         let owner = owner.to_string();
         let clock = Arc::clone(&self.clock);
         let limit = to_sql_limit(limit);
+        let parked_head = self.parked_head;
         self.pool
             .run(move |conn| {
                 write_tx(conn, "claim", |tx| {
                     let now = clock.now();
                     let expires_at = now.plus(lease);
+                    let ids = claimable_ids(tx, parked_head, now, limit)?;
+                    if ids.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    let ids = format!("[{}]", ids.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
                     let mut rows = query_rows(
                         tx,
                         "claim",
                         concat!(
                             "UPDATE outbox_rows SET token = token + 1, owner = ?1, lease_expires_at = ?2
-                             WHERE row_id IN (
-                                 SELECT row_id FROM outbox_rows
-                                 WHERE published_token IS NULL AND parked_at IS NULL
-                                   AND available_at <= ?3
-                                   AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
-                                 ORDER BY row_id LIMIT ?4)
+                             WHERE row_id IN (SELECT value FROM json_each(?3))
                              RETURNING ",
                             row_columns!()
                         ),
-                        (&owner, expires_at.0, now.0, limit),
+                        (&owner, expires_at.0, ids),
                     )?;
                     rows.sort_by_key(|r| r.row_id);
                     Ok(rows
@@ -750,5 +847,11 @@ impl OutboxAdmin for SqliteStore {
                 Ok(rows.into_iter().map(|r| r.into_snapshot(now)).collect())
             })
             .await
+    }
+
+    /// One `BEGIN IMMEDIATE` transaction deleting at most `limit` rows over the
+    /// `outbox_rows_published` index; see the crate's "Retention".
+    async fn purge_published(&self, older_than: Duration, limit: usize) -> Result<u64> {
+        crate::retention::purge_published(self, older_than, limit).await
     }
 }

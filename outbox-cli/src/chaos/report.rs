@@ -151,6 +151,9 @@ pub(crate) struct ComboReport {
     pub(crate) fleet: FleetStats,
     pub(crate) producers: ProducerStats,
     pub(crate) windows: Vec<WindowStat>,
+    /// Published rows the relays' retention deleted during the run (long profile); the judge
+    /// read them from the runner's snapshots.
+    pub(crate) purged: u64,
     pub(crate) problems: Vec<String>,
     pub(crate) logs: Option<String>,
 }
@@ -571,6 +574,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
         ("problems", Json::Arr(r.problems.iter().map(|p| s(p.clone())).collect())),
         ("duration_ms", Json::Num(r.duration.as_millis() as i128)),
         ("events", n(r.events)),
+        ("purged_by_retention", n(r.purged)),
         (
             "figures",
             Json::Obj(vec![

@@ -17,7 +17,7 @@ use super::env::Env;
 use super::procs::{Fleet, Kind};
 use super::report::{self, BadInput, ComboReport, Durable, FaultRecord, ProducerStats, WindowStat};
 use super::schedule::{self, Bad, Family, Fault, Schedule};
-use super::site::{CONSUMER, Site, now_ms};
+use super::site::{CONSUMER, RowTimes, Site, now_ms};
 use super::{Combo, Settings};
 
 /// Events per producer transaction.
@@ -119,7 +119,7 @@ async fn play_in(
     };
     let s = |v: &str| v.to_string();
     let lease = format!("{}ms", settings.lease.as_millis());
-    let relay_args = vec![
+    let mut relay_args = vec![
         s("--store"),
         env.store_url.clone(),
         s("--broker"),
@@ -133,6 +133,14 @@ async fn play_in(
         s("--max-attempts"),
         s("1000"),
     ];
+    if let Some(age) = settings.retain_published {
+        relay_args.extend([
+            s("--retain-published"),
+            format!("{}ms", age.as_millis()),
+            s("--retain-interval"),
+            format!("{}ms", RETAIN_INTERVAL.as_millis()),
+        ]);
+    }
     let consumer_args = vec![
         s("--store"),
         env.store_url.clone(),
@@ -185,6 +193,9 @@ async fn play_in(
     }
     let faults = tokio::spawn(execute_faults(schedule.faults.clone(), env.clone(), fleet.clone(), log.clone(), start));
     let sampler = settings.stats_window.map(|w| tokio::spawn(sample(site.clone(), w, stop.clone())));
+    // With retention on, relays delete published rows: keep what the judge needs of them.
+    let kept: Arc<Mutex<BTreeMap<String, RowTimes>>> = Arc::default();
+    let keeper = settings.retain_published.map(|_| tokio::spawn(keep_rows(site.clone(), kept.clone(), stop.clone())));
 
     // Bad inputs, at their times, from here.
     for (at, kind) in &schedule.bad {
@@ -244,8 +255,24 @@ async fn play_in(
     }
     println!("{}: drain {} after {:.1?}", combo.name, if drained { "complete" } else { "INCOMPLETE" }, start.elapsed());
 
-    // Read durable state.
-    let rows = read(site.rows()).await?;
+    if let Some(k) = keeper {
+        k.await.map_err(join_error)?;
+    }
+
+    // Read durable state; rows purged by retention come from the keeper's snapshots.
+    let mut rows = read(site.rows()).await?;
+    if settings.retain_published.is_some() {
+        let kept = std::mem::take(&mut *kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let present = rows.len();
+        for (id, row) in kept {
+            rows.entry(id).or_insert(row);
+        }
+        report.purged = (rows.len() - present) as u64;
+        println!(
+            "{}: retention: {} published rows purged by the relays (judged from the runner's snapshots), {present} left",
+            combo.name, report.purged
+        );
+    }
     let published = rows.values().filter(|r| r.published_ms.is_some()).count() as u64;
     let (offers, foreign) = audit_offers(broker.as_ref(), &destination, &audit, published, settings.drain).await?;
     bad.foreign_offers = foreign;
@@ -628,7 +655,33 @@ async fn audit_offers(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Long profile: table sizes and throughput per window.
+// Long profile: retention, table sizes and throughput per window.
+
+/// Time between two retention rounds of the relays (`--retain-interval`).
+const RETAIN_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Time between two snapshots of the row keeper: well under the retention, so a row is seen
+/// published at least once before a relay may purge it (a snapshot that fails is retried at
+/// the next tick; a gap longer than the retention would show as orders without a row).
+const KEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// Snapshot every row until `stop`, so the judge sees rows the relays' retention deleted. A
+/// published row never changes again, so its last snapshot is what the final read would have
+/// shown.
+async fn keep_rows(site: Site, kept: Arc<Mutex<BTreeMap<String, RowTimes>>>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::SeqCst) {
+        if let Ok(Ok(rows)) = tokio::time::timeout(READ_TIMEOUT, site.rows()).await {
+            let mut kept = kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (id, row) in rows {
+                kept.insert(id, row);
+            }
+        }
+        let next = Instant::now() + KEEP_EVERY;
+        while Instant::now() < next && !stop.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
 
 async fn sample(site: Site, length: Duration, stop: Arc<AtomicBool>) -> Vec<WindowStat> {
     let mut out = Vec::new();
@@ -651,11 +704,15 @@ async fn sample(site: Site, length: Duration, stop: Arc<AtomicBool>) -> Vec<Wind
             }
             continue;
         };
+        // Rows committed in the window: the row-id high-water mark moved (rows deleted by
+        // retention don't hide them); every row that disappeared was published and purged.
+        let committed = now.inserted.saturating_sub(prev.inserted);
+        let purged = (prev.outbox_rows + committed).saturating_sub(now.outbox_rows);
         out.push(WindowStat {
             index: out.len() as u32,
             length: elapsed,
-            committed: now.outbox_rows.saturating_sub(prev.outbox_rows),
-            published: now.published.saturating_sub(prev.published),
+            committed,
+            published: (now.published + purged).saturating_sub(prev.published),
             effects: now.effects.saturating_sub(prev.effects),
             outbox_rows: now.outbox_rows,
             markers: now.markers,

@@ -37,6 +37,8 @@ pub(crate) struct RowTimes {
 pub(crate) struct Sizes {
     /// Outbox rows.
     pub(crate) outbox_rows: u64,
+    /// Rows ever inserted: the row-id high-water mark (retention deletes rows, not this).
+    pub(crate) inserted: u64,
     /// Of which published.
     pub(crate) published: u64,
     /// Inbox markers.
@@ -308,20 +310,27 @@ impl Site {
     pub(crate) async fn sizes(&self) -> Result<Sizes> {
         match self {
             Self::Postgres(s) => {
-                let (events, markers, effects) =
-                    (s.tables().table("events")?, s.tables().table("inbox_markers")?, table(s, "chaos_effects")?);
+                let (events, markers, effects, seq) = (
+                    s.tables().table("events")?,
+                    s.tables().table("inbox_markers")?,
+                    table(s, "chaos_effects")?,
+                    s.tables().table("events_id_seq")?,
+                );
+                // The sequence is not transactional: rolled-back enqueues count as inserted.
                 let sql = format!(
                     "SELECT (SELECT count(*) FROM {events}), (SELECT count(*) FROM {events} WHERE published_at IS NOT NULL),
                             (SELECT count(*) FROM {markers}), (SELECT count(*) FROM {effects}),
-                            pg_total_relation_size('{events}') + pg_total_relation_size('{markers}')",
+                            pg_total_relation_size('{events}') + pg_total_relation_size('{markers}'),
+                            (SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {seq})",
                     events = events,
                     markers = markers,
                     effects = effects
                 );
-                let r: (i64, i64, i64, i64, i64) =
+                let r: (i64, i64, i64, i64, i64, i64) =
                     sqlx::query_as(AssertSqlSafe(sql)).fetch_one(s.pool()).await.map_err(map_error)?;
                 Ok(Sizes {
                     outbox_rows: r.0 as u64,
+                    inserted: r.5 as u64,
                     published: r.1 as u64,
                     markers: r.2 as u64,
                     effects: r.3 as u64,
@@ -329,13 +338,14 @@ impl Site {
                 })
             }
             Self::Sqlite(s) => {
-                let r: (i64, i64, i64, i64) = s
+                let r: (i64, i64, i64, i64, i64) = s
                     .with_connection(|c| {
                         c.query_row(
                             "SELECT (SELECT count(*) FROM outbox_rows), (SELECT count(*) FROM outbox_rows WHERE published_at IS NOT NULL),
-                                    (SELECT count(*) FROM outbox_inbox_markers), (SELECT count(*) FROM chaos_effects)",
+                                    (SELECT count(*) FROM outbox_inbox_markers), (SELECT count(*) FROM chaos_effects),
+                                    (SELECT COALESCE(max(seq), 0) FROM sqlite_sequence WHERE name = 'outbox_rows')",
                             [],
-                            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+                            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
                         )
                     })
                     .await?;
@@ -346,6 +356,7 @@ impl Site {
                     [path, PathBuf::from(wal)].iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
                 Ok(Sizes {
                     outbox_rows: r.0 as u64,
+                    inserted: r.4 as u64,
                     published: r.1 as u64,
                     markers: r.2 as u64,
                     effects: r.3 as u64,

@@ -185,6 +185,43 @@ impl Broker for MemoryBroker {
         Ok(())
     }
 
+    /// Native batching: one lock for the whole batch, appended in slice order, one wake-up of
+    /// the subscribers; after a failure the later events of its key are
+    /// [`Skipped`](ErrorKind::Skipped).
+    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
+        let mut out = Vec::with_capacity(events.len());
+        let mut failed: HashMap<&str, &EventId> = HashMap::new();
+        let mut appended = false;
+        let mut st = lock(&self.shared.state);
+        for event in events {
+            if let Some(first) = event.key.as_deref().and_then(|k| failed.get(k)) {
+                out.push(Err(crate::broker::skipped(BACKEND, first.as_str())));
+                continue;
+            }
+            let result = event.validate(self.max_payload).and_then(|()| match st.topics.get_mut(&event.destination) {
+                Some(t) => {
+                    t.log.push(Entry::Event(event.clone()));
+                    appended = true;
+                    Ok(())
+                }
+                None => Err(Error::transient(
+                    ErrorKind::Unroutable,
+                    BACKEND,
+                    format!("destination {} does not exist (declare it first)", event.destination),
+                )),
+            });
+            if let (Err(_), Some(k)) = (&result, event.key.as_deref()) {
+                failed.insert(k, &event.id);
+            }
+            out.push(result);
+        }
+        drop(st);
+        if appended {
+            self.shared.notify.notify_waiters();
+        }
+        out
+    }
+
     async fn subscribe(&self, destination: &Destination, group: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
         self.declare(destination, std::slice::from_ref(group)).await?;
         let id = self.shared.next_sub.fetch_add(1, Ordering::Relaxed);

@@ -9,8 +9,8 @@ use crate::clock::{SharedClock, SystemClock, Timestamp};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::{DEFAULT_MAX_PAYLOAD, Event, EventId};
 use crate::store::{
-    Claimed, Completion, Lease, OutboxAdmin, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedRow, RowId,
-    RowSnapshot, RowStatus,
+    Claimed, Completion, Lease, OutboxAdmin, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedHead, ParkedRow,
+    RowId, RowSnapshot, RowStatus,
 };
 use crate::wakeup::{Wakeup, WakeupSender};
 
@@ -24,6 +24,7 @@ struct Row {
     available_at: Timestamp,
     created_at: Timestamp,
     published_token: Option<u64>,
+    published_at: Option<Timestamp>,
     parked_at: Option<Timestamp>,
     last_error: Option<String>,
 }
@@ -61,11 +62,17 @@ struct State {
 ///
 /// Its [`wakeup`](OutboxStore::wakeup) signal fires after every successful
 /// [`enqueue`](OutboxStore::enqueue) on it or on a clone (the rows are visible by then).
+///
+/// Its claim is the executable statement of key order (see [`OutboxStore::claim`]): rows are
+/// walked in row-id order, and the first unpublished row of a key that cannot be claimed (backing
+/// off, leased, parked under [`ParkedHead::Block`], or past the limit) closes its key for the rest
+/// of the walk.
 #[derive(Debug, Clone)]
 pub struct MemoryOutbox {
     state: Arc<Mutex<State>>,
     clock: SharedClock,
     max_payload: usize,
+    parked_head: ParkedHead,
     wakeup: WakeupSender,
 }
 
@@ -78,7 +85,26 @@ impl Default for MemoryOutbox {
 impl MemoryOutbox {
     /// An empty store on `clock`.
     pub fn new(clock: SharedClock) -> Self {
-        Self { state: Arc::default(), clock, max_payload: DEFAULT_MAX_PAYLOAD, wakeup: WakeupSender::new() }
+        Self {
+            state: Arc::default(),
+            clock,
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            parked_head: ParkedHead::Block,
+            wakeup: WakeupSender::new(),
+        }
+    }
+
+    /// What a parked row does to the later rows of its key ([`ParkedHead::Block`] by default).
+    /// A setting of this handle: a clone with another setting shares the rows.
+    #[must_use]
+    pub fn with_parked_head(mut self, parked_head: ParkedHead) -> Self {
+        self.parked_head = parked_head;
+        self
+    }
+
+    /// The configured [`ParkedHead`].
+    pub fn parked_head(&self) -> ParkedHead {
+        self.parked_head
     }
 
     /// Set the largest accepted payload.
@@ -102,6 +128,8 @@ impl OutboxStore for MemoryOutbox {
     }
 
     async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
+        // The trace this enqueue runs in travels with the event (free without `opentelemetry`).
+        let events: &[Event] = &crate::telemetry::with_trace_context(events);
         for e in events {
             e.validate(self.max_payload)?;
         }
@@ -133,6 +161,7 @@ impl OutboxStore for MemoryOutbox {
                     available_at: now,
                     created_at: now,
                     published_token: None,
+                    published_at: None,
                     parked_at: None,
                     last_error: None,
                 },
@@ -151,11 +180,20 @@ impl OutboxStore for MemoryOutbox {
         let expires_at = now.plus(lease);
         let mut st = lock(&self.state);
         let mut out = Vec::new();
+        // Keys whose walk has stopped: an earlier unpublished row of theirs was not claimed.
+        let mut closed: std::collections::HashSet<String> = std::collections::HashSet::new();
         for (&id, row) in st.rows.iter_mut() {
             if out.len() >= limit {
                 break;
             }
-            if !row.claimable(now) {
+            if row.published_token.is_some() || (row.parked_at.is_some() && self.parked_head == ParkedHead::Skip) {
+                continue;
+            }
+            let key_closed = row.event.key.as_ref().is_some_and(|k| closed.contains(k));
+            if key_closed || !row.claimable(now) {
+                if let Some(k) = &row.event.key {
+                    closed.insert(k.clone());
+                }
                 continue;
             }
             row.token += 1;
@@ -171,11 +209,12 @@ impl OutboxStore for MemoryOutbox {
 
     async fn complete(&self, row: RowId, lease: &Lease) -> Result<Completion> {
         Ok(self
-            .with_row(row, |r, _| {
+            .with_row(row, |r, now| {
                 if !r.holds(lease) {
                     return Completion::Fenced;
                 }
                 r.published_token = Some(lease.token);
+                r.published_at = Some(now);
                 r.expires_at = None;
                 Completion::Published
             })
@@ -332,5 +371,29 @@ impl OutboxAdmin for MemoryOutbox {
                 last_error: r.last_error.clone(),
             })
             .collect())
+    }
+
+    /// A purged row's event id is forgotten with it, as the real stores' unique index forgets
+    /// it: the id can be enqueued again.
+    async fn purge_published(&self, older_than: Duration, limit: usize) -> Result<u64> {
+        let now = self.clock.now();
+        let cutoff =
+            Timestamp(now.as_millis().saturating_sub(i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX)));
+        let mut st = lock(&self.state);
+        let mut old: Vec<(Timestamp, RowId)> = st
+            .rows
+            .iter()
+            .filter_map(|(&id, r)| {
+                r.published_at.filter(|&at| r.published_token.is_some() && at < cutoff).map(|at| (at, id))
+            })
+            .collect();
+        old.sort_unstable();
+        old.truncate(limit);
+        for (_, id) in &old {
+            if let Some(r) = st.rows.remove(id) {
+                st.ids.remove(&r.event.id);
+            }
+        }
+        Ok(old.len() as u64)
     }
 }

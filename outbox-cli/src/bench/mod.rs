@@ -1,0 +1,280 @@
+//! `outbox bench`: throughput against the real servers, each subject beside a raw baseline
+//! measured in the same run.
+//!
+//! An events-per-second figure alone says little: it moves with the machine, the server
+//! settings and whatever else runs. What a user needs to know is how much the library costs
+//! over doing the same durable work by hand, so every subject here is paired with a baseline
+//! that does that work without the library (the same `UPDATE … FOR UPDATE SKIP LOCKED` claim and
+//! fenced completion, the broker's own batching with the same acknowledgement), measured on the
+//! same servers minutes apart, and judged by the ratio. The subjects and goals are those of
+//! issue 14 (P1–P7); `docs/bench.md` holds the latest table.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use outbox::{Error, ErrorKind, Result};
+use outbox_conformance_tests::service;
+
+mod fixture;
+mod raw;
+mod report;
+mod subjects;
+
+use report::Row;
+
+/// Flags of `outbox bench`.
+#[derive(clap::Args)]
+pub(crate) struct BenchArgs {
+    /// Subjects to run, comma-separated (default: all of P1..P7).
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    only: Vec<Subject>,
+    /// Backlog per measurement: rows in the outbox (P1–P5, P7 per relay count) or messages on
+    /// the stream (P6). The default keeps the whole run at a few minutes on two cores.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 50_000, value_parser = clap::value_parser!(u64).range(100..=10_000_000))]
+    events: u64,
+    /// Rows a relay (and the raw SQL loop) claims per batch; also the raw Redis pipeline length.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    batch: u32,
+    /// Payload bytes per event.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 256, value_parser = clap::value_parser!(u32).range(16..=1_000_000))]
+    payload: u32,
+    /// Distinct event keys (aggregates); events are spread over them by the seed.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    keys: u32,
+    /// Relay publishes in flight (`RelayConfig::concurrency`).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    concurrency: u32,
+    /// Deliveries in flight in P6, for the consumer and for the hand-written loop alike.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    in_flight: u32,
+    /// Seed of keys, amounts and payload bytes (default: random; printed first).
+    #[arg(long, allow_negative_numbers = true)]
+    seed: Option<u64>,
+    /// PostgreSQL server (a fresh schema per subject, dropped afterwards).
+    #[arg(long, env = "OUTBOX_PG_URL", hide_env_values = true, default_value = service::LOCAL_PG_URL)]
+    pg: String,
+    /// Redis server (fresh stream keys per subject, deleted afterwards).
+    #[arg(long, env = "OUTBOX_REDIS_URL", hide_env_values = true, default_value = service::LOCAL_REDIS_URL)]
+    redis: String,
+    /// RabbitMQ server (a fresh exchange and queue per subject, deleted afterwards).
+    #[arg(long, env = "OUTBOX_AMQP_URL", hide_env_values = true, default_value = service::LOCAL_AMQP_URL)]
+    amqp: String,
+    /// Kafka-protocol broker (a fresh topic per subject, deleted afterwards).
+    #[arg(long, env = "OUTBOX_KAFKA_URL", hide_env_values = true, default_value = service::LOCAL_KAFKA_URL)]
+    kafka: String,
+    /// Write the table, the configuration and the seed to this JSON file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Exit 3 when a ratio is below its goal (by default such a row is reported as FAIL and the
+    /// exit code is 0).
+    #[arg(long)]
+    strict: bool,
+}
+
+/// One of the issue's subjects.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug, clap::ValueEnum)]
+pub(crate) enum Subject {
+    /// PostgreSQL → Redis relay vs min(raw SQL, raw pipelined XADD).
+    #[value(name = "P1", alias = "p1")]
+    P1,
+    /// PostgreSQL → RabbitMQ relay vs min(raw SQL, raw publish with a window of confirms).
+    #[value(name = "P2", alias = "p2")]
+    P2,
+    /// PostgreSQL → Kafka relay vs min(raw SQL, raw producer with many in flight).
+    #[value(name = "P3", alias = "p3")]
+    P3,
+    /// PostgreSQL relay with a broker that returns at once vs raw SQL.
+    #[value(name = "P4", alias = "p4")]
+    P4,
+    /// SQLite relay with a broker that returns at once vs raw rusqlite.
+    #[value(name = "P5", alias = "p5")]
+    P5,
+    /// Consumer with the PostgreSQL inbox vs a hand-written loop without one (Redis).
+    #[value(name = "P6", alias = "p6")]
+    P6,
+    /// 1, 2, 4, 8 relays on PostgreSQL.
+    #[value(name = "P7", alias = "p7")]
+    P7,
+}
+
+impl Subject {
+    const ALL: [Subject; 7] =
+        [Subject::P1, Subject::P2, Subject::P3, Subject::P4, Subject::P5, Subject::P6, Subject::P7];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Subject::P1 => "P1",
+            Subject::P2 => "P2",
+            Subject::P3 => "P3",
+            Subject::P4 => "P4",
+            Subject::P5 => "P5",
+            Subject::P6 => "P6",
+            Subject::P7 => "P7",
+        }
+    }
+
+    /// The servers it needs: (name, script name, URL).
+    fn servers(self, s: &Settings) -> Vec<(&'static str, &'static str, String)> {
+        let pg = ("PostgreSQL", "postgres", s.pg.clone());
+        match self {
+            Subject::P1 | Subject::P6 => vec![pg, ("Redis", "redis", s.redis.clone())],
+            Subject::P2 => vec![pg, ("RabbitMQ", "rabbitmq", s.amqp.clone())],
+            Subject::P3 => vec![pg, ("Kafka", "kafka", s.kafka.clone())],
+            Subject::P4 | Subject::P7 => vec![pg],
+            Subject::P5 => vec![],
+        }
+    }
+}
+
+/// The run's settings, shared by every subject.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) events: usize,
+    pub(crate) batch: usize,
+    pub(crate) payload: usize,
+    pub(crate) keys: u64,
+    pub(crate) concurrency: usize,
+    pub(crate) in_flight: usize,
+    pub(crate) seed: u64,
+    pub(crate) pg: String,
+    pub(crate) redis: String,
+    pub(crate) amqp: String,
+    pub(crate) kafka: String,
+    /// `<pid>_<nanos>`: makes every schema, stream, queue and topic name of this run unique.
+    pub(crate) run_id: String,
+}
+
+impl Settings {
+    /// The configuration every row shares, for the header and the JSON.
+    fn describe(&self) -> String {
+        format!(
+            "events {} | batch {} | payload {} B | keys {} | relay concurrency {} | P6 in flight {} | seed {}",
+            self.events, self.batch, self.payload, self.keys, self.concurrency, self.in_flight, self.seed
+        )
+    }
+}
+
+/// What one subject produced: its rows, or why it could not run.
+pub(crate) enum Outcome {
+    Rows(Vec<Row>),
+    Skipped(String),
+    Failed(String),
+}
+
+/// Run the selected subjects and print the table: `Ok(true)` unless `--strict` and a ratio is
+/// below its goal.
+///
+/// # Errors
+/// A subject that could not run (after the table and the JSON file were written), or a JSON
+/// file that cannot be written.
+pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
+    let started = Instant::now();
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0x5eed, |d| d.as_nanos() as u64)
+    });
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let settings = Settings {
+        events: usize::try_from(args.events).unwrap_or(usize::MAX),
+        batch: args.batch as usize,
+        payload: args.payload as usize,
+        keys: u64::from(args.keys),
+        concurrency: args.concurrency as usize,
+        in_flight: args.in_flight as usize,
+        seed,
+        pg: args.pg.clone(),
+        redis: args.redis.clone(),
+        amqp: args.amqp.clone(),
+        kafka: args.kafka.clone(),
+        run_id: format!("{}_{nanos}", std::process::id()),
+    };
+    let mut selected: Vec<Subject> = if args.only.is_empty() { Subject::ALL.to_vec() } else { args.only.clone() };
+    selected.sort();
+    selected.dedup();
+
+    let machine = report::machine();
+    println!("outbox bench: seed {seed} (--seed {seed} repeats the keys, amounts and payloads)");
+    println!("  {}", settings.describe());
+    println!("  machine: {machine}");
+    println!("  subjects: {}", selected.iter().map(|s| s.name()).collect::<Vec<_>>().join(", "));
+
+    // Bad URLs are usage errors, before anything runs.
+    for subject in &selected {
+        for (_, _, url) in subject.servers(&settings) {
+            check_url(&url)?;
+        }
+    }
+
+    let mut outcomes: Vec<(Subject, Outcome)> = Vec::new();
+    for subject in selected {
+        println!();
+        let missing = subject.servers(&settings).into_iter().find_map(|(name, script, url)| {
+            let addr = service::service_addr(&url);
+            reachable(&addr).err().map(|e| {
+                format!("{name} is not reachable at {addr} ({e}); start it with `scripts/services ensure {script}`")
+            })
+        });
+        if let Some(why) = missing {
+            println!("{}: SKIPPED: {why}", subject.name());
+            outcomes.push((subject, Outcome::Skipped(why)));
+            continue;
+        }
+        let t = Instant::now();
+        let outcome = match subjects::run(subject, &settings).await {
+            Ok(rows) => Outcome::Rows(rows),
+            Err(e) => {
+                let text = e.to_string().replace(['\n', '\r'], " ");
+                println!("{}: ERROR: {text}", subject.name());
+                Outcome::Failed(text)
+            }
+        };
+        println!("{}: done in {:.1} s", subject.name(), t.elapsed().as_secs_f64());
+        outcomes.push((subject, outcome));
+    }
+
+    println!();
+    let table = report::table(&outcomes);
+    println!("{table}");
+    println!("total time {:.0} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let json = report::json(&settings, &machine, &outcomes, started.elapsed()).render();
+        std::fs::write(path, json + "\n")
+            .map_err(|e| Error::permanent(ErrorKind::Config, "bench", format!("writing {}: {e}", path.display())))?;
+        println!("figures written to {}", path.display());
+    }
+
+    let unran: Vec<String> = outcomes
+        .iter()
+        .filter_map(|(s, o)| match o {
+            Outcome::Rows(_) => None,
+            Outcome::Skipped(why) | Outcome::Failed(why) => Some(format!("{}: {why}", s.name())),
+        })
+        .collect();
+    if !unran.is_empty() {
+        return Err(Error::transient(
+            ErrorKind::Connection,
+            "bench",
+            format!("{} subject(s) did not run: {}", unran.len(), unran.join("; ")),
+        ));
+    }
+    let below =
+        outcomes.iter().any(|(_, o)| matches!(o, Outcome::Rows(rows) if rows.iter().any(|r| r.pass == Some(false))));
+    Ok(!(args.strict && below))
+}
+
+/// Parse a server URL with its adapter's own parser, so that `service_addr` cannot fail on it.
+fn check_url(url: &str) -> Result<()> {
+    let invalid = |e: Error| Error::invalid_input("bench", e.to_string());
+    match url.split(':').next().unwrap_or_default() {
+        "postgres" | "postgresql" => outbox::postgres::PgConfig::from_url(url).map(drop).map_err(invalid),
+        "redis" | "rediss" => outbox::redis::RedisConfig::from_url(url).map(drop).map_err(invalid),
+        "amqp" | "amqps" => outbox::amqp::AmqpConfig::from_url(url).map(drop).map_err(invalid),
+        "kafka" | "kafka+ssl" => outbox::kafka::KafkaConfig::from_url(url).map(drop).map_err(invalid),
+        other => Err(Error::invalid_input("bench", format!("unknown scheme {other:?} in a server URL"))),
+    }
+}
+
+fn reachable(addr: &str) -> std::result::Result<(), String> {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let a = addr.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or_else(|| "no address".to_string())?;
+    TcpStream::connect_timeout(&a, Duration::from_secs(2)).map(|_| ()).map_err(|e| e.to_string())
+}

@@ -1,0 +1,399 @@
+//! The raw baselines: the same durable work as the library does, written by hand with the
+//! drivers, as fast as the drivers allow. Each is checked on durable state after it ran (rows
+//! published, entries on the stream, messages in the queue, offsets on the topic), so a fast
+//! baseline that skipped work would fail instead of lowering every ratio.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use outbox::postgres::map_error;
+use outbox::postgres::sqlx::{self, AssertSqlSafe, Connection, Row as _};
+use outbox::sqlite::SqliteStore;
+use outbox::sqlite::rusqlite::{self, TransactionBehavior};
+use outbox::{ConsumerGroup, Destination, Error, ErrorKind, Event, Result};
+
+use super::fixture::{LEASE, PgFixture, fail, per_second};
+
+/// Owner name of the raw loops (12 bytes, like a relay's).
+const OWNER: &str = "raw-bench-01";
+
+/// Confirms outstanding on the raw AMQP channel.
+pub(crate) const AMQP_WINDOW: usize = 1_000;
+/// Deliveries in flight in the raw Kafka producer.
+pub(crate) const KAFKA_IN_FLIGHT: usize = 10_000;
+/// Redis pipelines in flight on the raw connection.
+pub(crate) const REDIS_PIPELINES: usize = 4;
+
+/// Raw SQL on one connection, one batch after another: the store's own claim statement
+/// (`UPDATE … FOR UPDATE SKIP LOCKED … RETURNING` every column), then one fenced completion per
+/// batch (ids and tokens as arrays, the owner once; `published_token`, `published_at`,
+/// `lease_expires_at` set as the store sets them). The backlog must already be in place.
+pub(crate) async fn pg_sql(fx: &PgFixture, n: usize, batch: usize) -> Result<f64> {
+    let mut conn = fx.connection().await?;
+    let claim = fx.store.tables().claim_sql().to_owned();
+    let complete = format!(
+        "UPDATE {events} AS t SET published_token = t.token,
+             published_at = floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint,
+             lease_expires_at = NULL
+         FROM unnest($1::bigint[], $2::bigint[]) AS i(id, token)
+         WHERE t.id = i.id AND t.token = i.token AND t.owner = $3
+           AND t.published_at IS NULL AND t.parked_at IS NULL",
+        events = fx.events_table
+    );
+    let lease_ms = i64::try_from(LEASE.as_millis()).unwrap_or(i64::MAX);
+    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+    let t = Instant::now();
+    let mut done = 0usize;
+    loop {
+        let claimed = sqlx::query(AssertSqlSafe(claim.clone()))
+            .bind(None::<i64>)
+            .bind(limit)
+            .bind(OWNER)
+            .bind(lease_ms)
+            .fetch_all(&mut conn)
+            .await
+            .map_err(map_error)?;
+        if claimed.is_empty() {
+            break;
+        }
+        let mut ids = Vec::with_capacity(claimed.len());
+        let mut tokens = Vec::with_capacity(claimed.len());
+        for r in &claimed {
+            ids.push(r.try_get::<i64, _>("id").map_err(map_error)?);
+            tokens.push(r.try_get::<i64, _>("token").map_err(map_error)?);
+        }
+        let r = sqlx::query(AssertSqlSafe(complete.clone()))
+            .bind(ids)
+            .bind(tokens)
+            .bind(OWNER)
+            .execute(&mut conn)
+            .await
+            .map_err(map_error)?;
+        done += usize::try_from(r.rows_affected()).unwrap_or(0);
+        if t.elapsed() > super::fixture::DRAIN_LIMIT {
+            return Err(fail(format!("raw SQL: {done} of {n} rows after {:?}", super::fixture::DRAIN_LIMIT)));
+        }
+    }
+    let elapsed = t.elapsed();
+    let _ = conn.close().await;
+    if done != n {
+        return Err(fail(format!("raw SQL completed {done} rows, expected {n}")));
+    }
+    fx.check_published(n, "raw SQL").await?;
+    Ok(per_second(n, elapsed))
+}
+
+/// Raw rusqlite on one connection of the store's own settings: per batch one `BEGIN IMMEDIATE`
+/// transaction with the store's claim statement (every column returned and read), then one with
+/// the store's fenced completion per row (a cached statement), as `SqliteStore` runs them.
+pub(crate) async fn sqlite(store: &SqliteStore, n: usize, batch: usize) -> Result<f64> {
+    let mut conn = store.connect_raw()?;
+    let lease_ms = i64::try_from(LEASE.as_millis()).unwrap_or(i64::MAX);
+    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+    let (done, elapsed) = tokio::task::spawn_blocking(move || -> rusqlite::Result<(usize, Duration)> {
+        let now =
+            || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+        let t = Instant::now();
+        let mut done = 0;
+        loop {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let at = now();
+            let mut claimed: Vec<(i64, i64)> = Vec::new();
+            {
+                let mut stmt = tx.prepare_cached(
+                    "UPDATE outbox_rows SET token = token + 1, owner = ?1, lease_expires_at = ?2
+                     WHERE row_id IN (
+                         SELECT row_id FROM outbox_rows
+                         WHERE published_token IS NULL AND parked_at IS NULL
+                           AND available_at <= ?3
+                           AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
+                         ORDER BY row_id LIMIT ?4)
+                     RETURNING row_id, event_id, destination, event_key, headers, payload, attempts, token, owner,
+                         lease_expires_at, available_at, created_at, published_token, parked_at, last_error",
+                )?;
+                let mut rows = stmt.query((OWNER, at + lease_ms, at, limit))?;
+                while let Some(r) = rows.next()? {
+                    // Read every column, as the store decodes every column into a record.
+                    let _: (String, String, Option<String>, Vec<u8>, Vec<u8>) =
+                        (r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?);
+                    claimed.push((r.get(0)?, r.get(7)?));
+                }
+            }
+            tx.commit()?;
+            if claimed.is_empty() {
+                break;
+            }
+            claimed.sort_unstable();
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            {
+                let at = now();
+                let mut stmt = tx.prepare_cached(
+                    "UPDATE outbox_rows SET published_token = token, published_at = ?4, lease_expires_at = NULL
+                     WHERE row_id = ?1 AND token = ?2 AND owner = ?3 AND published_token IS NULL AND parked_at IS NULL",
+                )?;
+                for (row, token) in &claimed {
+                    done += stmt.execute((row, token, OWNER, at))?;
+                }
+            }
+            tx.commit()?;
+        }
+        Ok((done, t.elapsed()))
+    })
+    .await
+    .map_err(|e| fail(format!("raw rusqlite task: {e}")))?
+    .map_err(outbox::sqlite::sqlite_error)?;
+    if done != n {
+        return Err(fail(format!("raw rusqlite completed {done} rows, expected {n}")));
+    }
+    Ok(per_second(n, elapsed))
+}
+
+fn driver(backend: &'static str, what: &str, e: impl std::fmt::Display) -> Error {
+    Error::transient(ErrorKind::Connection, backend, format!("raw {what}: {e}"))
+}
+
+/// Raw `XADD`s of `events` to `stream`, in pipelines of `batch` with [`REDIS_PIPELINES`] in
+/// flight on one multiplexed connection, each entry with the adapter's fields (`v`, `id`, `k`,
+/// `h:<header>`, `p`). Checks `XLEN` afterwards and deletes the key.
+pub(crate) async fn redis_xadd(url: &str, stream: &str, events: &[Event], batch: usize) -> Result<f64> {
+    let client = redis::Client::open(url).map_err(|e| driver("redis", "client", e))?;
+    let conn = client.get_multiplexed_async_connection().await.map_err(|e| driver("redis", "connect", e))?;
+    let _: i64 =
+        redis::cmd("DEL").arg(stream).query_async(&mut conn.clone()).await.map_err(|e| driver("redis", "DEL", e))?;
+    let t = Instant::now();
+    let results: Vec<redis::RedisResult<Vec<String>>> = futures::stream::iter(events.chunks(batch.max(1)))
+        .map(|chunk| {
+            let mut conn = conn.clone();
+            let mut pipe = redis::pipe();
+            for e in chunk {
+                let cmd = pipe.cmd("XADD").arg(stream).arg("*").arg("v").arg("1").arg("id").arg(e.id.as_str());
+                if let Some(k) = &e.key {
+                    cmd.arg("k").arg(k.as_str());
+                }
+                for (name, value) in &e.headers {
+                    cmd.arg(format!("h:{name}")).arg(value.as_slice());
+                }
+                cmd.arg("p").arg(e.payload.as_slice());
+            }
+            async move { pipe.query_async::<Vec<String>>(&mut conn).await }
+        })
+        .buffer_unordered(REDIS_PIPELINES)
+        .collect()
+        .await;
+    let elapsed = t.elapsed();
+    for r in results {
+        r.map_err(|e| driver("redis", "XADD pipeline", e))?;
+    }
+    let len: u64 =
+        redis::cmd("XLEN").arg(stream).query_async(&mut conn.clone()).await.map_err(|e| driver("redis", "XLEN", e))?;
+    let _: i64 =
+        redis::cmd("DEL").arg(stream).query_async(&mut conn.clone()).await.map_err(|e| driver("redis", "DEL", e))?;
+    if len != events.len() as u64 {
+        return Err(fail(format!("raw XADD: {len} entries on {stream}, expected {}", events.len())));
+    }
+    Ok(per_second(events.len(), elapsed))
+}
+
+/// Raw AMQP publishes of `events` on one channel in confirm mode, `mandatory` and persistent,
+/// with the adapter's properties (message id, header table with the key and the header names),
+/// to the exchange the adapter declared for `destination` (its queue for `group` bound), with up
+/// to [`AMQP_WINDOW`] confirms outstanding; every confirm must be a plain ack. Checks the queue
+/// depth afterwards (the caller purges by deleting the queue).
+pub(crate) async fn amqp_publish(
+    url: &str,
+    broker: &outbox::amqp::AmqpBroker,
+    destination: &Destination,
+    group: &ConsumerGroup,
+    events: &[Event],
+) -> Result<f64> {
+    use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
+    let config = broker.config();
+    let exchange = config.exchange_name(destination)?;
+    let plain = url.split('?').next().unwrap_or(url);
+    let conn = lapin::Connection::connect(plain, lapin::ConnectionProperties::default())
+        .await
+        .map_err(|e| driver("amqp", "connect", e))?;
+    let result = async {
+        let channel = conn.create_channel().await.map_err(|e| driver("amqp", "channel", e))?;
+        channel
+            .confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| driver("amqp", "confirm_select", e))?;
+        let mut pending = FuturesUnordered::new();
+        let mut confirmed = 0usize;
+        let check = |c: std::result::Result<lapin::Confirmation, lapin::Error>| match c {
+            Ok(lapin::Confirmation::Ack(None)) => Ok(()),
+            Ok(other) => Err(fail(format!("raw AMQP publish not confirmed: {other:?}"))),
+            Err(e) => Err(driver("amqp", "confirm", e)),
+        };
+        let t = Instant::now();
+        for e in events {
+            let mut table = FieldTable::default();
+            let mut names = FieldArray::default();
+            for (name, value) in &e.headers {
+                table.insert(ShortString::from(name.as_str()), AMQPValue::LongString(LongString::from(value.clone())));
+                names.push(AMQPValue::LongString(LongString::from(name.as_bytes())));
+            }
+            table.insert(outbox::amqp::HEADER_NAMES_HEADER.into(), AMQPValue::FieldArray(names));
+            if let Some(key) = &e.key {
+                table.insert(outbox::amqp::KEY_HEADER.into(), AMQPValue::LongString(LongString::from(key.as_bytes())));
+            }
+            let properties = lapin::BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(e.id.as_str().into())
+                .with_headers(table);
+            let routing_key = config.routing_key_for(e)?;
+            let confirm = channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    routing_key.as_str().into(),
+                    lapin::options::BasicPublishOptions { mandatory: true, immediate: false },
+                    &e.payload,
+                    properties,
+                )
+                .await
+                .map_err(|e| driver("amqp", "publish", e))?;
+            pending.push(confirm);
+            if pending.len() >= AMQP_WINDOW
+                && let Some(c) = pending.next().await
+            {
+                check(c)?;
+                confirmed += 1;
+            }
+        }
+        while let Some(c) = pending.next().await {
+            check(c)?;
+            confirmed += 1;
+        }
+        let elapsed = t.elapsed();
+        let _ = channel.close(200, "OK".into()).await;
+        Ok::<_, Error>((confirmed, elapsed))
+    }
+    .await;
+    let _ = conn.close(200, "OK".into()).await;
+    let (confirmed, elapsed) = result?;
+    let depth = broker.queue_depth(destination, group).await?;
+    if confirmed != events.len() || depth as usize != events.len() {
+        return Err(fail(format!("raw AMQP: {confirmed} confirmed, {depth} in the queue, expected {}", events.len())));
+    }
+    Ok(per_second(events.len(), elapsed))
+}
+
+/// Raw Kafka produce of `events` to `topic` (created by the caller) with an `rdkafka`
+/// `FutureProducer` configured as the adapter's (`acks=all`, idempotent, the URL's options),
+/// the event id header, key and headers, up to [`KAFKA_IN_FLIGHT`] deliveries awaited at once.
+/// Reads the topic back afterwards.
+pub(crate) async fn kafka_produce(config: &outbox::kafka::KafkaConfig, topic: &str, events: &[Event]) -> Result<f64> {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    use rdkafka::util::Timeout;
+    let mut client = rdkafka::ClientConfig::new();
+    client.set("bootstrap.servers", config.bootstrap_servers.join(","));
+    for (k, v) in &config.options {
+        client.set(k, v);
+    }
+    client.set("enable.idempotence", "true").set("acks", "all").set("message.timeout.ms", "60000");
+    let producer: FutureProducer = client.create().map_err(|e| driver("kafka", "producer", e))?;
+    // Warm-up, not timed: the producer's connection, metadata and idempotence id. One record
+    // without an event id; the check below counts it.
+    producer
+        .send(
+            FutureRecord::<[u8], [u8]>::to(topic).payload(b"warm-up".as_slice()),
+            Timeout::After(Duration::from_secs(60)),
+        )
+        .await
+        .map_err(|(e, _)| driver("kafka", "warm-up delivery", e))?;
+    let t = Instant::now();
+    let mut pending = FuturesUnordered::new();
+    let mut delivered = 0usize;
+    fn check<T, M>(r: std::result::Result<T, (rdkafka::error::KafkaError, M)>) -> Result<()> {
+        r.map(|_| ()).map_err(|(e, _)| driver("kafka", "delivery", e))
+    }
+    for e in events {
+        let mut headers = OwnedHeaders::new_with_capacity(e.headers.len() + 1)
+            .insert(Header { key: outbox::kafka::EVENT_ID_HEADER, value: Some(e.id.as_str().as_bytes()) });
+        for (name, value) in &e.headers {
+            headers = headers.insert(Header { key: name.as_str(), value: Some(value.as_slice()) });
+        }
+        let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(e.payload.as_slice()).headers(headers);
+        if let Some(key) = &e.key {
+            record = record.key(key.as_bytes());
+        }
+        pending.push(producer.send(record, Timeout::After(Duration::from_secs(60))));
+        if pending.len() >= KAFKA_IN_FLIGHT
+            && let Some(r) = pending.next().await
+        {
+            check(r)?;
+            delivered += 1;
+        }
+    }
+    while let Some(r) = pending.next().await {
+        check(r)?;
+        delivered += 1;
+    }
+    let elapsed = t.elapsed();
+    // Durable check: the topic holds what was delivered.
+    let stored = kafka_count(config, topic, events.len() + 1).await? - 1;
+    if delivered != events.len() || stored != events.len() as i64 {
+        return Err(fail(format!(
+            "raw Kafka: {delivered} delivered, {stored} on the topic, expected {}",
+            events.len()
+        )));
+    }
+    Ok(per_second(events.len(), elapsed))
+}
+
+/// Messages on a Kafka topic, counted by reading it from the beginning (every partition) until,
+/// `expected` or more read, nothing more arrives for half a second (10 s before that), within a
+/// minute. Not from the watermarks: after a batched
+/// produce tansu reports a high watermark of 1 for a partition holding 2,000 records.
+pub(crate) async fn kafka_count(config: &outbox::kafka::KafkaConfig, topic: &str, expected: usize) -> Result<i64> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use rdkafka::{Offset, TopicPartitionList};
+    let topic_name = topic.to_string();
+    let mut client = rdkafka::ClientConfig::new();
+    client.set("bootstrap.servers", config.bootstrap_servers.join(","));
+    for (k, v) in &config.options {
+        client.set(k, v);
+    }
+    client
+        .set("group.id", "outbox-bench-reader")
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false");
+    tokio::task::spawn_blocking(move || -> std::result::Result<i64, String> {
+        let consumer: BaseConsumer = client.create().map_err(|e| e.to_string())?;
+        let metadata =
+            consumer.fetch_metadata(Some(topic_name.as_str()), Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        let mut list = TopicPartitionList::new();
+        for t in metadata.topics().iter().filter(|t| t.name() == topic_name) {
+            for p in t.partitions() {
+                list.add_partition_offset(&topic_name, p.id(), Offset::Beginning).map_err(|e| e.to_string())?;
+            }
+        }
+        consumer.assign(&list).map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut last = Instant::now();
+        let mut count = 0i64;
+        let expected = i64::try_from(expected).unwrap_or(i64::MAX);
+        while Instant::now() < deadline {
+            let idle = last.elapsed();
+            if (count >= expected && idle > Duration::from_millis(500)) || idle > Duration::from_secs(10) {
+                break;
+            }
+            match consumer.poll(Duration::from_millis(100)) {
+                Some(Ok(_)) => {
+                    count += 1;
+                    last = Instant::now();
+                }
+                Some(Err(e)) => return Err(e.to_string()),
+                None => {}
+            }
+        }
+        Ok(count)
+    })
+    .await
+    .map_err(|e| fail(format!("topic reader task: {e}")))?
+    .map_err(|e| driver("kafka", "reading the topic back", e))
+}

@@ -1,0 +1,297 @@
+//! The table and the JSON file: one row per measured subject, the same figures in both.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use super::{Outcome, Settings, Subject};
+
+/// One line of the table.
+#[derive(Debug, Clone)]
+pub(crate) struct Row {
+    /// `P1` … `P7/8`.
+    pub(crate) id: String,
+    /// What was measured.
+    pub(crate) subject: String,
+    /// What it is compared with.
+    pub(crate) baseline: String,
+    /// Events per second of the subject.
+    pub(crate) measured: f64,
+    /// Events per second of the baseline (`None`: no baseline, e.g. one relay in P7).
+    pub(crate) baseline_rate: Option<f64>,
+    /// The ratio must be at least this.
+    pub(crate) goal: Option<f64>,
+    /// The row's own settings (the run's shared ones are in the header).
+    pub(crate) configuration: String,
+    /// The raw figures a `min(…)` baseline was made of, named.
+    pub(crate) components: Vec<(String, f64)>,
+    /// The run's seed.
+    pub(crate) seed: u64,
+    /// `Some(true)` ratio ≥ goal, `Some(false)` below, `None` nothing to judge.
+    pub(crate) pass: Option<bool>,
+}
+
+impl Row {
+    /// A row; `pass` follows from the figures.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        id: impl Into<String>,
+        subject: impl Into<String>,
+        baseline: impl Into<String>,
+        measured: f64,
+        baseline_rate: Option<f64>,
+        goal: Option<f64>,
+        configuration: impl Into<String>,
+        components: Vec<(String, f64)>,
+        seed: u64,
+    ) -> Self {
+        let mut row = Self {
+            id: id.into(),
+            subject: subject.into(),
+            baseline: baseline.into(),
+            measured,
+            baseline_rate,
+            goal,
+            configuration: configuration.into(),
+            components,
+            seed,
+            pass: None,
+        };
+        row.pass = match (row.ratio(), row.goal) {
+            (Some(r), Some(g)) => Some(r >= g),
+            _ => None,
+        };
+        row
+    }
+
+    /// measured / baseline.
+    pub(crate) fn ratio(&self) -> Option<f64> {
+        self.baseline_rate.filter(|b| *b > 0.0).map(|b| self.measured / b)
+    }
+}
+
+/// `47.1k`, `782k`, `950`.
+pub(crate) fn rate(v: f64) -> String {
+    if !v.is_finite() {
+        "-".into()
+    } else if v >= 100_000.0 {
+        format!("{:.0}k", v / 1000.0)
+    } else if v >= 1_000.0 {
+        format!("{:.1}k", v / 1000.0)
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// The table as printed (Markdown, so that `docs/bench.md` can hold it as it is).
+pub(crate) fn table(outcomes: &[(Subject, Outcome)]) -> String {
+    let mut out = String::new();
+    out.push_str(
+        "| P | subject | baseline | measured ev/s | baseline ev/s | ratio | goal | result | configuration | seed |\n",
+    );
+    out.push_str("|---|---|---|---:|---:|---:|---|---|---|---|\n");
+    for (subject, outcome) in outcomes {
+        match outcome {
+            Outcome::Rows(rows) => {
+                for r in rows {
+                    let ratio = r.ratio().map_or("-".to_string(), |x| format!("{x:.2}"));
+                    let goal = r.goal.map_or("-".to_string(), |g| format!(">= {g:.2}"));
+                    let verdict = match r.pass {
+                        Some(true) => "pass",
+                        Some(false) => "FAIL",
+                        None => "-",
+                    };
+                    let _ = writeln!(
+                        out,
+                        "| {} | {} | {} | {} | {} | {ratio} | {goal} | {verdict} | {} | {} |",
+                        r.id,
+                        r.subject,
+                        r.baseline,
+                        rate(r.measured),
+                        r.baseline_rate.map_or("-".to_string(), rate),
+                        r.configuration,
+                        r.seed
+                    );
+                }
+            }
+            Outcome::Skipped(why) => {
+                let _ = writeln!(out, "| {} | SKIPPED: {} | | | | | | | | |", subject.name(), why.replace('|', "/"));
+            }
+            Outcome::Failed(why) => {
+                let _ = writeln!(out, "| {} | ERROR: {} | | | | | | | | |", subject.name(), why.replace('|', "/"));
+            }
+        }
+    }
+    out
+}
+
+/// CPUs, memory and kernel of this machine, one line.
+pub(crate) fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, std::num::NonZero::get);
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|kb| kb.parse::<u64>().ok()))
+        .map_or("? GiB".to_string(), |kb| format!("{:.1} GiB", kb as f64 / 1024.0 / 1024.0));
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or("?".into(), |k| k.trim().to_string());
+    let build = if cfg!(debug_assertions) { "debug build" } else { "release build" };
+    format!("{cpus} CPUs ({model}), {mem} RAM, Linux {kernel}, {build}")
+}
+
+/// A JSON value, written by hand: the CLI has no serializer, and this needs none.
+pub(crate) enum Json {
+    Null,
+    Bool(bool),
+    Num(u64),
+    Float(f64),
+    Str(String),
+    Arr(Vec<Json>),
+    Obj(Vec<(String, Json)>),
+}
+
+impl Json {
+    pub(crate) fn render(&self) -> String {
+        let mut out = String::new();
+        self.write(&mut out);
+        out
+    }
+
+    fn write(&self, out: &mut String) {
+        match self {
+            Json::Null => out.push_str("null"),
+            Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Json::Num(n) => out.push_str(&n.to_string()),
+            Json::Float(x) if x.is_finite() => out.push_str(&format!("{x:.3}")),
+            Json::Float(_) => out.push_str("null"),
+            Json::Str(s) => {
+                out.push('"');
+                for c in s.chars() {
+                    match c {
+                        '"' => out.push_str("\\\""),
+                        '\\' => out.push_str("\\\\"),
+                        '\n' => out.push_str("\\n"),
+                        c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                        c => out.push(c),
+                    }
+                }
+                out.push('"');
+            }
+            Json::Arr(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    item.write(out);
+                }
+                out.push(']');
+            }
+            Json::Obj(fields) => {
+                out.push('{');
+                for (i, (k, v)) in fields.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    Json::Str(k.clone()).write(out);
+                    out.push(':');
+                    v.write(out);
+                }
+                out.push('}');
+            }
+        }
+    }
+}
+
+fn obj(fields: Vec<(&str, Json)>) -> Json {
+    Json::Obj(fields.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+}
+
+fn s(v: impl Into<String>) -> Json {
+    Json::Str(v.into())
+}
+
+fn opt(v: Option<f64>) -> Json {
+    v.map_or(Json::Null, Json::Float)
+}
+
+fn row_json(r: &Row) -> Json {
+    obj(vec![
+        ("id", s(&r.id)),
+        ("subject", s(&r.subject)),
+        ("baseline", s(&r.baseline)),
+        ("measured_eps", Json::Float(r.measured)),
+        ("baseline_eps", opt(r.baseline_rate)),
+        ("ratio", opt(r.ratio())),
+        ("goal", opt(r.goal)),
+        ("pass", r.pass.map_or(Json::Null, Json::Bool)),
+        ("configuration", s(&r.configuration)),
+        ("components", Json::Obj(r.components.iter().map(|(k, v)| (k.clone(), Json::Float(*v))).collect())),
+        ("seed", Json::Num(r.seed)),
+    ])
+}
+
+/// The whole run as JSON.
+pub(crate) fn json(settings: &Settings, machine: &str, outcomes: &[(Subject, Outcome)], elapsed: Duration) -> Json {
+    let mut rows = Vec::new();
+    let mut subjects = Vec::new();
+    for (subject, outcome) in outcomes {
+        let (status, why) = match outcome {
+            Outcome::Rows(r) => {
+                rows.extend(r.iter().map(row_json));
+                ("ran", None)
+            }
+            Outcome::Skipped(why) => ("skipped", Some(why.clone())),
+            Outcome::Failed(why) => ("error", Some(why.clone())),
+        };
+        subjects.push(obj(vec![
+            ("subject", s(subject.name())),
+            ("status", s(status)),
+            ("reason", why.map_or(Json::Null, Json::Str)),
+        ]));
+    }
+    obj(vec![
+        ("seed", Json::Num(settings.seed)),
+        (
+            "settings",
+            obj(vec![
+                ("events", Json::Num(settings.events as u64)),
+                ("batch", Json::Num(settings.batch as u64)),
+                ("payload", Json::Num(settings.payload as u64)),
+                ("keys", Json::Num(settings.keys)),
+                ("concurrency", Json::Num(settings.concurrency as u64)),
+                ("in_flight", Json::Num(settings.in_flight as u64)),
+            ]),
+        ),
+        ("machine", s(machine)),
+        ("elapsed_s", Json::Float(elapsed.as_secs_f64())),
+        ("subjects", Json::Arr(subjects)),
+        ("rows", Json::Arr(rows)),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratio_and_verdict_follow_from_the_figures() {
+        let r = Row::new("P4", "relay", "raw SQL", 90.0, Some(100.0), Some(0.9), "", vec![], 1);
+        assert_eq!(r.pass, Some(true));
+        let r = Row::new("P4", "relay", "raw SQL", 89.0, Some(100.0), Some(0.9), "", vec![], 1);
+        assert_eq!(r.pass, Some(false));
+        let r = Row::new("P7/1", "relay", "-", 89.0, None, None, "", vec![], 1);
+        assert_eq!(r.pass, None);
+        assert!(row_json(&r).render().contains("\"ratio\":null"));
+    }
+
+    #[test]
+    fn strings_are_escaped() {
+        assert_eq!(s("a\"b\\c\n").render(), "\"a\\\"b\\\\c\\n\"");
+    }
+}

@@ -1,0 +1,716 @@
+//! P1–P7: each sets up its own schema, stream, queue or topic, prints its configuration, measures
+//! its baseline(s) and its subject on the same backlog, checks durable state, and cleans up —
+//! also when a measurement fails.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use outbox::consumer::{Consumer, ConsumerConfig, EffectKind, Handler};
+use outbox::core::{BatchReport, Received};
+use outbox::postgres::sqlx::{self, AssertSqlSafe};
+use outbox::postgres::{PgInbox, PgTx, map_error};
+use outbox::{Broker, ConsumerGroup, Destination, Event, OutboxAdmin, OutboxStore, Relay, RelayConfig, Result};
+
+use super::fixture::{self, AckCounter, DRAIN_LIMIT, InstantBroker, LEASE, PgFixture, fail, per_second};
+use super::raw;
+use super::report::{Row, rate};
+use super::{Settings, Subject};
+
+/// Relay counts of P7.
+const RELAY_COUNTS: [usize; 4] = [1, 2, 4, 8];
+/// Pool size of each P7 relay's own store (a relay process of its own).
+const P7_POOL: u32 = 4;
+
+/// Run one subject.
+pub(crate) async fn run(subject: Subject, s: &Settings) -> Result<Vec<Row>> {
+    match subject {
+        Subject::P1 => p1(s).await,
+        Subject::P2 => p2(s).await,
+        Subject::P3 => p3(s).await,
+        Subject::P4 => p4(s).await,
+        Subject::P5 => p5(s).await,
+        Subject::P6 => p6(s).await,
+        Subject::P7 => p7(s).await,
+    }
+}
+
+fn relay_config(s: &Settings, owner: String) -> RelayConfig {
+    RelayConfig::new(owner)
+        .with_batch_size(s.batch)
+        .with_concurrency(s.concurrency)
+        .with_lease(LEASE)
+        .with_seed(Some(s.seed))
+    // KNOB(PIPE): the pipeline depth (batches claimed ahead while one publishes) is the
+    // relay's default, shown by `relay_settings`; a `--pipeline` flag would set it here.
+}
+
+/// The relay settings a row shows.
+fn relay_settings(s: &Settings) -> String {
+    format!(
+        "batch {}, concurrency {}, pipeline depth {}, lease {}s",
+        s.batch,
+        s.concurrency,
+        RelayConfig::default().pipeline_depth,
+        LEASE.as_secs()
+    )
+}
+
+/// One relay draining the backlog: events per second, after checking it published all `n`.
+async fn relay_drain(store: Arc<dyn OutboxStore>, broker: Arc<dyn Broker>, s: &Settings, n: usize) -> Result<f64> {
+    let relay = Relay::new(store, broker, relay_config(s, "relay-bench1".into()));
+    let t = Instant::now();
+    let report = tokio::time::timeout(DRAIN_LIMIT, relay.drain())
+        .await
+        .map_err(|_| fail(format!("the relay did not drain {n} rows within {DRAIN_LIMIT:?}")))??;
+    let elapsed = t.elapsed();
+    check_report(&report, n)?;
+    Ok(per_second(n, elapsed))
+}
+
+fn check_report(report: &BatchReport, n: usize) -> Result<()> {
+    if report.published != n as u64 || report.retried + report.parked + report.fenced + report.released > 0 {
+        return Err(fail(format!("relay published {} of {n} rows ({report:?})", report.published)));
+    }
+    Ok(())
+}
+
+fn add(total: &mut BatchReport, r: &BatchReport) {
+    total.claimed += r.claimed;
+    total.published += r.published;
+    total.fenced += r.fenced;
+    total.retried += r.retried;
+    total.parked += r.parked;
+    total.released += r.released;
+    total.refused += r.refused;
+}
+
+fn destination(s: &Settings, tag: &str) -> Result<Destination> {
+    Destination::new(format!("bench_{tag}_{}", s.run_id))
+}
+
+fn min_of(a: (&str, f64), b: (&str, f64)) -> (f64, Vec<(String, f64)>) {
+    (a.1.min(b.1), vec![(a.0.to_string(), a.1), (b.0.to_string(), b.1)])
+}
+
+fn say(p: &str, line: impl std::fmt::Display) {
+    println!("{p}: {line}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// P1–P3: PostgreSQL → a real broker.
+
+/// P1: PostgreSQL → Redis.
+async fn p1(s: &Settings) -> Result<Vec<Row>> {
+    let fx = PgFixture::new(s, "p1").await?;
+    let result = async {
+        let dest = destination(s, "p1")?;
+        let config = outbox::redis::RedisConfig::from_url(&s.redis)?.with_prefix(format!("bench_{}:", s.run_id));
+        let broker = outbox::redis::RedisBroker::connect(config.clone()).await?;
+        let raw_stream = format!("{}raw_{}", config.prefix, dest.as_str());
+        say(
+            "P1",
+            format!(
+                "PostgreSQL -> Redis. schema {}, stream {}, raw stream {raw_stream}; {} events; relay: {}; raw SQL: one \
+                 connection, claim+complete per batch of {}; raw XADD: pipelines of {} entries, {} in flight",
+                fx.schema,
+                broker.stream_key(&dest),
+                s.events,
+                relay_settings(s),
+                s.batch,
+                s.batch,
+                raw::REDIS_PIPELINES
+            ),
+        );
+        let events = fixture::events(s, &dest, s.events);
+        fx.fill(&events).await?;
+        let sql = raw::pg_sql(&fx, s.events, s.batch).await?;
+        say("P1", format!("raw SQL {} ev/s", rate(sql)));
+        let xadd = raw::redis_xadd(&config.url, &raw_stream, &events, s.batch).await?;
+        say("P1", format!("raw XADD {} ev/s", rate(xadd)));
+        fx.fill(&events).await?;
+        let measured = async {
+            let r = relay_drain(Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
+            let on_stream = broker.stream_len(&dest).await?;
+            if on_stream != s.events as u64 {
+                return Err(fail(format!("{on_stream} entries on the stream, expected {}", s.events)));
+            }
+            fx.check_published(s.events, "relay").await?;
+            Ok(r)
+        }
+        .await;
+        let _ = broker.delete_destination(&dest).await;
+        let measured = measured?;
+        say("P1", format!("relay {} ev/s", rate(measured)));
+        let (base, parts) = min_of(("raw SQL", sql), ("raw XADD", xadd));
+        Ok(vec![Row::new(
+            "P1",
+            "PostgreSQL -> Redis relay",
+            "min(raw SQL, raw pipelined XADD)",
+            measured,
+            Some(base),
+            Some(0.8),
+            format!(
+                "1 relay, {}; raw SQL {}, raw XADD {} (pipelines of {}, {} in flight)",
+                relay_settings(s),
+                rate(sql),
+                rate(xadd),
+                s.batch,
+                raw::REDIS_PIPELINES
+            ),
+            parts,
+            s.seed,
+        )])
+    }
+    .await;
+    let _ = fx.drop().await;
+    result
+}
+
+/// P2: PostgreSQL → RabbitMQ.
+async fn p2(s: &Settings) -> Result<Vec<Row>> {
+    let fx = PgFixture::new(s, "p2").await?;
+    let config = outbox::amqp::AmqpConfig::from_url(&s.amqp)?;
+    let broker = outbox::amqp::AmqpBroker::new(config.clone());
+    let dest = destination(s, "p2")?;
+    let raw_dest = destination(s, "p2raw")?;
+    let group = ConsumerGroup::new("bench")?;
+    let result = async {
+        broker.connect().await?;
+        broker.declare(&dest, std::slice::from_ref(&group)).await?;
+        broker.declare(&raw_dest, std::slice::from_ref(&group)).await?;
+        say(
+            "P2",
+            format!(
+                "PostgreSQL -> RabbitMQ. schema {}, exchange {} -> queue {} ({} queue), raw exchange {}; {} events; relay: \
+                 {}, {} publish channels; raw publish: one channel, confirms over a window of {}, mandatory, persistent",
+                fx.schema,
+                config.exchange_name(&dest)?,
+                config.queue_name(&dest, &group)?,
+                config.queue_type().as_str(),
+                config.exchange_name(&raw_dest)?,
+                s.events,
+                relay_settings(s),
+                config.publish_channels(),
+                raw::AMQP_WINDOW
+            ),
+        );
+        let events = fixture::events(s, &dest, s.events);
+        fx.fill(&events).await?;
+        let sql = raw::pg_sql(&fx, s.events, s.batch).await?;
+        say("P2", format!("raw SQL {} ev/s", rate(sql)));
+        let publish = raw::amqp_publish(&s.amqp, &broker, &raw_dest, &group, &events).await?;
+        say("P2", format!("raw publish with confirms {} ev/s", rate(publish)));
+        fx.fill(&events).await?;
+        let measured = relay_drain(Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
+        let depth = broker.queue_depth(&dest, &group).await?;
+        if depth as usize != s.events {
+            return Err(fail(format!("{depth} messages in the queue, expected {}", s.events)));
+        }
+        fx.check_published(s.events, "relay").await?;
+        say("P2", format!("relay {} ev/s", rate(measured)));
+        let (base, parts) = min_of(("raw SQL", sql), ("raw publish", publish));
+        Ok(vec![Row::new(
+            "P2",
+            "PostgreSQL -> RabbitMQ relay",
+            "min(raw SQL, raw publish with confirms)",
+            measured,
+            Some(base),
+            Some(0.8),
+            format!(
+                "1 relay, {}, {} channels, {} queue; raw SQL {}, raw publish {} (window {})",
+                relay_settings(s),
+                config.publish_channels(),
+                config.queue_type().as_str(),
+                rate(sql),
+                rate(publish),
+                raw::AMQP_WINDOW
+            ),
+            parts,
+            s.seed,
+        )])
+    }
+    .await;
+    let _ = broker.delete(&dest, std::slice::from_ref(&group)).await;
+    let _ = broker.delete(&raw_dest, std::slice::from_ref(&group)).await;
+    broker.close().await;
+    let _ = fx.drop().await;
+    result
+}
+
+/// P3: PostgreSQL → Kafka.
+async fn p3(s: &Settings) -> Result<Vec<Row>> {
+    let fx = PgFixture::new(s, "p3").await?;
+    let config = outbox::kafka::KafkaConfig::from_url(&s.kafka)?;
+    let dest = destination(s, "p3")?;
+    let raw_dest = destination(s, "p3raw")?;
+    let broker = match outbox::kafka::KafkaBroker::connect(config.clone()).await {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = fx.drop().await;
+            return Err(e);
+        }
+    };
+    let result = async {
+        broker.declare(&dest, &[]).await?;
+        broker.declare(&raw_dest, &[]).await?;
+        say(
+            "P3",
+            format!(
+                "PostgreSQL -> Kafka. schema {}, topic {dest}, raw topic {raw_dest} ({} partition(s)); {} events; relay: {}; \
+                 raw produce: FutureProducer, acks=all, idempotent, {} deliveries in flight",
+                fx.schema,
+                config.partitions,
+                s.events,
+                relay_settings(s),
+                raw::KAFKA_IN_FLIGHT
+            ),
+        );
+        let events = fixture::events(s, &dest, s.events);
+        fx.fill(&events).await?;
+        let sql = raw::pg_sql(&fx, s.events, s.batch).await?;
+        say("P3", format!("raw SQL {} ev/s", rate(sql)));
+        let produce = raw::kafka_produce(&config, raw_dest.as_str(), &events).await?;
+        say("P3", format!("raw produce {} ev/s", rate(produce)));
+        fx.fill(&events).await?;
+        let measured = relay_drain(Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
+        let stored = raw::kafka_count(&config, dest.as_str(), s.events).await?;
+        if stored != s.events as i64 {
+            return Err(fail(format!("{stored} messages on the topic, expected {}", s.events)));
+        }
+        fx.check_published(s.events, "relay").await?;
+        say("P3", format!("relay {} ev/s", rate(measured)));
+        let (base, parts) = min_of(("raw SQL", sql), ("raw produce", produce));
+        Ok(vec![Row::new(
+            "P3",
+            "PostgreSQL -> Kafka relay",
+            "min(raw SQL, raw FutureProducer)",
+            measured,
+            Some(base),
+            Some(0.8),
+            format!(
+                "1 relay, {}, {} partition(s); raw SQL {}, raw produce {} ({} in flight)",
+                relay_settings(s),
+                config.partitions,
+                rate(sql),
+                rate(produce),
+                raw::KAFKA_IN_FLIGHT
+            ),
+            parts,
+            s.seed,
+        )])
+    }
+    .await;
+    let _ = broker.delete_topic(&dest).await;
+    let _ = broker.delete_topic(&raw_dest).await;
+    let _ = fx.drop().await;
+    result
+}
+
+// ---------------------------------------------------------------------------------------------
+// P4, P5: the store alone.
+
+/// P4: PostgreSQL relay with the instant broker vs raw SQL.
+async fn p4(s: &Settings) -> Result<Vec<Row>> {
+    let fx = PgFixture::new(s, "p4").await?;
+    let result = async {
+        let dest = destination(s, "p4")?;
+        say(
+            "P4",
+            format!(
+                "PostgreSQL relay, broker that returns at once. schema {}; {} events; relay: {}; raw SQL: one connection, \
+                 claim+complete per batch of {}",
+                fx.schema,
+                s.events,
+                relay_settings(s),
+                s.batch
+            ),
+        );
+        let events = fixture::events(s, &dest, s.events);
+        fx.fill(&events).await?;
+        let sql = raw::pg_sql(&fx, s.events, s.batch).await?;
+        say("P4", format!("raw SQL {} ev/s", rate(sql)));
+        fx.fill(&events).await?;
+        let measured = relay_drain(Arc::new(fx.store.clone()), Arc::new(InstantBroker), s, s.events).await?;
+        fx.check_published(s.events, "relay").await?;
+        say("P4", format!("relay {} ev/s", rate(measured)));
+        Ok(vec![Row::new(
+            "P4",
+            "PostgreSQL relay, instant broker",
+            "raw SQL claim+complete",
+            measured,
+            Some(sql),
+            Some(0.9),
+            format!("1 relay, {}; raw SQL on one connection", relay_settings(s)),
+            vec![("raw SQL".into(), sql)],
+            s.seed,
+        )])
+    }
+    .await;
+    let _ = fx.drop().await;
+    result
+}
+
+/// P5: SQLite relay with the instant broker vs raw rusqlite.
+async fn p5(s: &Settings) -> Result<Vec<Row>> {
+    use outbox::sqlite::{SqliteConfig, SqliteStore};
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-bench-")
+        .tempdir()
+        .map_err(|e| fail(format!("creating a temporary directory: {e}")))?;
+    let dest = destination(s, "p5")?;
+    let events = fixture::events(s, &dest, s.events);
+    let open = |name: &str| SqliteStore::open(SqliteConfig::new(dir.path().join(name)));
+    let raw_store = open("raw.db").await?;
+    let synchronous = raw_store.config().synchronous.as_str();
+    say(
+        "P5",
+        format!(
+            "SQLite relay, broker that returns at once. files in {} (synchronous={synchronous}, WAL); {} events; relay: {}; \
+             raw rusqlite: one connection, claim transaction + completion transaction per batch of {}",
+            dir.path().display(),
+            s.events,
+            relay_settings(s),
+            s.batch
+        ),
+    );
+    for chunk in events.chunks(2000) {
+        raw_store.enqueue(chunk).await?;
+    }
+    let raw_rate = raw::sqlite(&raw_store, s.events, s.batch).await?;
+    let stats = raw_store.stats().await?;
+    if stats.published != s.events as u64 || stats.pending + stats.leased + stats.parked != 0 {
+        return Err(fail(format!("raw rusqlite left {stats:?}")));
+    }
+    say("P5", format!("raw rusqlite {} ev/s", rate(raw_rate)));
+    let store = open("relay.db").await?;
+    for chunk in events.chunks(2000) {
+        store.enqueue(chunk).await?;
+    }
+    let measured = relay_drain(Arc::new(store.clone()), Arc::new(InstantBroker), s, s.events).await?;
+    let stats = store.stats().await?;
+    if stats.published != s.events as u64 || stats.pending + stats.leased + stats.parked != 0 {
+        return Err(fail(format!("the relay left {stats:?}")));
+    }
+    say("P5", format!("relay {} ev/s", rate(measured)));
+    drop(store);
+    drop(raw_store);
+    Ok(vec![Row::new(
+        "P5",
+        "SQLite relay, instant broker",
+        "raw rusqlite claim+complete",
+        measured,
+        Some(raw_rate),
+        Some(0.8),
+        format!("1 relay, {}; synchronous={synchronous}", relay_settings(s)),
+        vec![("raw rusqlite".into(), raw_rate)],
+        s.seed,
+    )])
+}
+
+// ---------------------------------------------------------------------------------------------
+// P6: the consumer.
+
+/// Credits the event's amount to the account named by its key: `INSERT … ON CONFLICT DO UPDATE
+/// SET balance = balance + amount`, the additive effect the inbox exists for.
+fn credit_sql(table: &str) -> String {
+    format!(
+        "INSERT INTO {table} AS b (account, balance) VALUES ($1, $2)
+         ON CONFLICT (account) DO UPDATE SET balance = b.balance + excluded.balance"
+    )
+}
+
+fn account(event: &Event) -> Result<String> {
+    event.key.clone().ok_or_else(|| fail(format!("event {} has no key", event.id)))
+}
+
+struct Credit {
+    sql: String,
+}
+
+#[async_trait]
+impl Handler<PgInbox> for Credit {
+    fn effect(&self) -> EffectKind {
+        EffectKind::Additive
+    }
+    async fn apply(&self, tx: &mut PgTx, event: &Event) -> Result<()> {
+        sqlx::query(AssertSqlSafe(self.sql.clone()))
+            .bind(account(event)?)
+            .bind(fixture::amount(event)?)
+            .execute(&mut **tx)
+            .await
+            .map_err(map_error)?;
+        Ok(())
+    }
+}
+
+/// P6: the consumer with the PostgreSQL inbox vs a hand-written loop, both reading the same
+/// Redis stream (one consumer group each) and crediting the same amounts.
+async fn p6(s: &Settings) -> Result<Vec<Row>> {
+    let fx = PgFixture::new(s, "p6").await?;
+    let config = outbox::redis::RedisConfig::from_url(&s.redis)?
+        .with_prefix(format!("bench_{}:", s.run_id))
+        .with_read_count(s.batch);
+    let dest = destination(s, "p6")?;
+    let broker = match outbox::redis::RedisBroker::connect(config.clone()).await {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = fx.drop().await;
+            return Err(e);
+        }
+    };
+    let result = p6_measure(s, &fx, &broker, &dest).await;
+    let _ = broker.delete_destination(&dest).await;
+    let _ = fx.drop().await;
+    result
+}
+
+async fn p6_measure(
+    s: &Settings,
+    fx: &PgFixture,
+    broker: &outbox::redis::RedisBroker,
+    dest: &Destination,
+) -> Result<Vec<Row>> {
+    let n = s.events;
+    let raw_group = ConsumerGroup::new("bench-raw")?;
+    let inbox_group = ConsumerGroup::new("bench-inbox")?;
+    let raw_table = fx.store.tables().app_table("bench_balances_raw")?;
+    let inbox_table = fx.store.tables().app_table("bench_balances_inbox")?;
+    let markers = fx.store.tables().table("inbox_markers")?;
+    // KNOB(CONSUMER): the consumer's deliveries in flight, the same as the loop's.
+    let config =
+        ConsumerConfig::new("bench-inbox").with_receive_wait(Duration::from_millis(50)).with_max_in_flight(s.in_flight);
+    let consumer_in_flight = config.max_in_flight;
+    say(
+        "P6",
+        format!(
+            "consumer with the PostgreSQL inbox vs a hand-written loop, both on Redis (stream {}, read count {}); schema {}; \
+             {n} messages; effect: credit the key's account (upsert, additive); loop: {} in flight, no inbox; consumer: \
+             {consumer_in_flight} in flight{}",
+            broker.stream_key(dest),
+            s.batch,
+            fx.schema,
+            s.in_flight,
+            if consumer_in_flight < s.in_flight { " (the consumer's limit)" } else { "" }
+        ),
+    );
+    for table in [&raw_table, &inbox_table] {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE {table} (account text PRIMARY KEY, balance bigint NOT NULL)"
+        )))
+        .execute(fx.store.pool())
+        .await
+        .map_err(map_error)?;
+    }
+    broker.declare(dest, &[raw_group.clone(), inbox_group.clone()]).await?;
+    let events = fixture::events(s, dest, n);
+    let expected: i64 = events.iter().map(fixture::amount).sum::<Result<i64>>()?;
+    for chunk in events.chunks(1000) {
+        for r in broker.publish_batch(chunk).await {
+            r?;
+        }
+    }
+    let on_stream = broker.stream_len(dest).await?;
+    if on_stream != n as u64 {
+        return Err(fail(format!("{on_stream} entries on the stream after publishing {n}")));
+    }
+
+    // The baseline: receive, then up to `in_flight` effects at once, each its own transaction,
+    // acknowledged after the commit. No marker, no fingerprint, no per-key order.
+    let counter = AckCounter::new(n as u64);
+    let mut sub = counter.wrap(broker.subscribe(dest, &raw_group).await?);
+    let pool = fx.store.pool().clone();
+    let sql = Arc::new(credit_sql(&raw_table));
+    let permits = Arc::new(tokio::sync::Semaphore::new(s.in_flight));
+    let mut tasks = tokio::task::JoinSet::new();
+    let t = Instant::now();
+    let mut received = 0usize;
+    while received < n {
+        if t.elapsed() > DRAIN_LIMIT {
+            return Err(fail(format!("hand-written loop: {received} of {n} received within {DRAIN_LIMIT:?}")));
+        }
+        let permit = permits.clone().acquire_owned().await.map_err(|e| fail(e.to_string()))?;
+        let Some(r) = sub.receive(Duration::from_millis(200)).await? else { continue };
+        let Received::Event(d) = r else { return Err(fail("hand-written loop: a foreign message on the stream")) };
+        received += 1;
+        let (pool, sql) = (pool.clone(), sql.clone());
+        tasks.spawn(async move {
+            let _permit = permit;
+            let mut tx = pool.begin().await.map_err(map_error)?;
+            sqlx::query(AssertSqlSafe((*sql).clone()))
+                .bind(account(&d.event)?)
+                .bind(fixture::amount(&d.event)?)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_error)?;
+            tx.commit().await.map_err(map_error)?;
+            d.ack().await
+        });
+        while let Some(done) = tasks.try_join_next() {
+            done.map_err(|e| fail(format!("loop task: {e}")))??;
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|e| fail(format!("loop task: {e}")))??;
+    }
+    let end = counter.wait(DRAIN_LIMIT, "hand-written loop").await?;
+    let baseline = per_second(n, end - t);
+    drop(sub);
+    say("P6", format!("hand-written loop {} ev/s", rate(baseline)));
+
+    // The subject: the consumer runtime with the inbox, same stream, its own group.
+    let counter = AckCounter::new(n as u64);
+    let mut sub = counter.wrap(broker.subscribe(dest, &inbox_group).await?);
+    let consumer = Consumer::new(fx.store.inbox(), Credit { sql: credit_sql(&inbox_table) }, config);
+    let shutdown = outbox::Shutdown::default();
+    let t = Instant::now();
+    let task = tokio::spawn({
+        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+        async move { consumer.run(&mut *sub, &shutdown).await }
+    });
+    let end = counter.wait(DRAIN_LIMIT, "consumer").await;
+    shutdown.trigger();
+    let stopped = tokio::time::timeout(Duration::from_secs(30), task).await;
+    let end = end?;
+    stopped.map_err(|_| fail("the consumer did not stop within 30 s"))?.map_err(|e| fail(e.to_string()))??;
+    let measured = per_second(n, end - t);
+    say("P6", format!("consumer {} ev/s", rate(measured)));
+
+    // Durable state: both effects credited every amount once; one marker per event; nothing
+    // left unacknowledged.
+    for (what, table) in [("hand-written loop", &raw_table), ("consumer", &inbox_table)] {
+        let sum: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT sum(balance)::bigint FROM {table}")))
+            .fetch_one(fx.store.pool())
+            .await
+            .map_err(map_error)?;
+        if sum != Some(expected) {
+            return Err(fail(format!("{what}: balances sum to {sum:?}, expected {expected}")));
+        }
+    }
+    let marked: i64 =
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {markers} WHERE consumer = 'bench-inbox'")))
+            .fetch_one(fx.store.pool())
+            .await
+            .map_err(map_error)?;
+    if marked != n as i64 {
+        return Err(fail(format!("{marked} inbox markers, expected {n}")));
+    }
+    for g in [&raw_group, &inbox_group] {
+        let pending = broker.pending(dest, g).await?;
+        if pending != 0 {
+            return Err(fail(format!("group {}: {pending} deliveries unacknowledged", g.as_str())));
+        }
+    }
+    Ok(vec![Row::new(
+        "P6",
+        "consumer, PostgreSQL inbox, additive effect",
+        "hand-written loop, same effect, no inbox",
+        measured,
+        Some(baseline),
+        Some(0.85),
+        format!(
+            "Redis, read count {}; consumer {consumer_in_flight} in flight, loop {} in flight; {} accounts",
+            s.batch, s.in_flight, s.keys
+        ),
+        vec![("hand-written loop".into(), baseline)],
+        s.seed,
+    )])
+}
+
+// ---------------------------------------------------------------------------------------------
+// P7: relays side by side.
+
+/// P7: 1, 2, 4, 8 relays, each with its own store pool, on one PostgreSQL backlog with the
+/// instant broker; each count against the best smaller one.
+async fn p7(s: &Settings) -> Result<Vec<Row>> {
+    let fx = PgFixture::new(s, "p7").await?;
+    let result = async {
+        let dest = destination(s, "p7")?;
+        say(
+            "P7",
+            format!(
+                "relays 1/2/4/8 on PostgreSQL, broker that returns at once (the store is what they share). schema {}; {} \
+                 events per count; each relay: {}, its own pool of {P7_POOL}",
+                fx.schema,
+                s.events,
+                relay_settings(s)
+            ),
+        );
+        let events = fixture::events(s, &dest, s.events);
+        let mut rates: Vec<(usize, f64)> = Vec::new();
+        let mut rows = Vec::new();
+        for count in RELAY_COUNTS {
+            fx.fill(&events).await?;
+            let mut stores = Vec::new();
+            for _ in 0..count {
+                stores.push(fx.another_store(P7_POOL).await?);
+            }
+            let relays: Vec<Arc<Relay>> = stores
+                .iter()
+                .enumerate()
+                .map(|(i, st)| {
+                    Arc::new(Relay::new(
+                        Arc::new(st.clone()),
+                        Arc::new(InstantBroker),
+                        relay_config(s, format!("relay-bench{count}-{i}")),
+                    ))
+                })
+                .collect();
+            let t = Instant::now();
+            let mut tasks = tokio::task::JoinSet::new();
+            for r in &relays {
+                let r = r.clone();
+                tasks.spawn(async move { r.drain().await });
+            }
+            let mut total = BatchReport::default();
+            let joined = tokio::time::timeout(DRAIN_LIMIT, async {
+                while let Some(r) = tasks.join_next().await {
+                    let report = r.map_err(|e| fail(format!("relay task: {e}")))??;
+                    add(&mut total, &report);
+                }
+                Ok::<_, outbox::Error>(())
+            })
+            .await;
+            let elapsed = t.elapsed();
+            for st in &stores {
+                st.close().await;
+            }
+            joined.map_err(|_| fail(format!("{count} relays did not drain within {DRAIN_LIMIT:?}")))??;
+            check_report(&total, s.events)?;
+            fx.check_published(s.events, &format!("{count} relays")).await?;
+            let measured = per_second(s.events, elapsed);
+            say("P7", format!("{count} relay(s) {} ev/s", rate(measured)));
+            let best = rates.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1));
+            let row = match best {
+                None => Row::new(
+                    "P7/1",
+                    "1 relay, instant broker",
+                    "-",
+                    measured,
+                    None,
+                    None,
+                    format!("1 relay, {}, pool {P7_POOL}", relay_settings(s)),
+                    vec![],
+                    s.seed,
+                ),
+                Some((best_count, best_rate)) => Row::new(
+                    format!("P7/{count}"),
+                    format!("{count} relays, instant broker"),
+                    format!("best smaller count ({best_count})"),
+                    measured,
+                    Some(best_rate),
+                    Some(1.0),
+                    format!("{count} relays, {}, pool {P7_POOL} each", relay_settings(s)),
+                    rates.iter().map(|(c, r)| (format!("{c} relay(s)"), *r)).collect(),
+                    s.seed,
+                ),
+            };
+            rows.push(row);
+            rates.push((count, measured));
+        }
+        Ok(rows)
+    }
+    .await;
+    let _ = fx.drop().await;
+    result
+}

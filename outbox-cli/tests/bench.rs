@@ -1,0 +1,77 @@
+//! `outbox bench` as a process on a tiny backlog: it runs the subjects asked for, prints the
+//! table with the seed, and writes a JSON file whose rows carry positive rates for the subject
+//! and its baseline. No timing is asserted: the figures of a 300-event run on a shared machine
+//! mean nothing; that the command measures, checks and reports is what this test is for.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+/// A few seconds normally; anything past this is a hang.
+const LIMIT: Duration = Duration::from_secs(180);
+
+#[test]
+fn bench_p4_p5_reports_both_rows_with_positive_rates() {
+    let pg = service::pg_url();
+    if !service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg)) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("bench.json");
+    let json_arg = json_path.to_str().unwrap();
+    let out = run(&["bench", "--events", "300", "--only", "P4,P5", "--seed", "7", "--json", json_arg], LIMIT);
+    let (stdout, stderr) = text(&out);
+    println!("{stdout}");
+    assert_eq!(out.status.code(), Some(0), "outbox bench failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("seed 7"), "the seed is printed: {stdout}");
+    assert!(stdout.contains("| P | subject | baseline |"), "the table is printed: {stdout}");
+
+    let figures: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON file")).expect("valid JSON");
+    assert_eq!(figures["seed"].as_u64(), Some(7), "{figures}");
+    assert_eq!(figures["settings"]["events"].as_u64(), Some(300), "{figures}");
+    let subjects = figures["subjects"].as_array().expect("subjects");
+    let ran: Vec<(&str, &str)> =
+        subjects.iter().map(|s| (s["subject"].as_str().unwrap(), s["status"].as_str().unwrap())).collect();
+    assert_eq!(ran, [("P4", "ran"), ("P5", "ran")], "{figures}");
+    let rows = figures["rows"].as_array().expect("rows");
+    let ids: Vec<&str> = rows.iter().filter_map(|r| r["id"].as_str()).collect();
+    assert_eq!(ids, ["P4", "P5"], "only the subjects asked for: {figures}");
+    for row in rows {
+        let id = row["id"].as_str().unwrap();
+        for field in ["measured_eps", "baseline_eps", "ratio"] {
+            let v = row[field].as_f64().unwrap_or_else(|| panic!("{id}: {field} missing: {row}"));
+            assert!(v > 0.0 && v.is_finite(), "{id}: {field} must be a positive rate: {row}");
+        }
+        assert!(row["goal"].as_f64().is_some_and(|g| g > 0.0), "{id}: a goal: {row}");
+        assert!(row["pass"].is_boolean(), "{id}: a verdict: {row}");
+        assert_eq!(row["seed"].as_u64(), Some(7), "{id}: {row}");
+        assert!(!row["configuration"].as_str().unwrap_or_default().is_empty(), "{id}: a configuration: {row}");
+    }
+
+    // P4 named its schema before measuring; it must be gone (every subject cleans up).
+    let schema = stdout
+        .split_whitespace()
+        .find(|w| w.starts_with("bench_p4_"))
+        .map(|w| w.trim_end_matches([';', ',']).to_string())
+        .unwrap_or_else(|| panic!("P4 prints its schema: {stdout}"));
+    let left: i64 = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        use outbox::postgres::sqlx::{self, Connection};
+        let mut conn = sqlx::PgConnection::connect(&pg).await.expect("PostgreSQL");
+        sqlx::query_scalar("SELECT count(*) FROM information_schema.schemata WHERE schema_name = $1")
+            .bind(&schema)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+    });
+    assert_eq!(left, 0, "schema {schema} was dropped after P4");
+}
+
+#[test]
+fn bench_rejects_an_unknown_subject_as_a_usage_error() {
+    let out = run(&["bench", "--only", "P9"], Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+}

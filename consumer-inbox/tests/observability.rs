@@ -23,6 +23,11 @@ use tracing_subscriber::registry::LookupSpan;
 
 const IDLE: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// The two tests run one at a time: `tracing` caches each callsite's interest process-wide, and
+/// a callsite first hit by the test without a subscriber while the other installs its own can
+/// be cached as "never" (seen once in the workspace run: no `outbox.handle` span recorded).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Counter totals and histogram sample counts by `name{consumer=...}`.
 #[derive(Default)]
 struct Values {
@@ -129,6 +134,7 @@ fn ev(id: &str, payload: &[u8]) -> Event {
 
 #[tokio::test]
 async fn every_outcome_is_counted_once_per_delivery_with_its_latency() {
+    let _serial = SERIAL.lock().await;
     let _ = recorder();
     let events = [ev("a", b"7"), ev("a", b"7"), ev("a", b"9"), ev("p", b"poison"), ev("b", b"1")];
     let broker = memory_broker(&events).await;
@@ -249,7 +255,10 @@ impl Subscription for Noting {
 async fn each_delivery_runs_in_one_handle_span_from_guard_to_ack() {
     let log = SpanLog::default();
     let subscriber = tracing_subscriber::registry().with(log.clone());
+    let _serial = SERIAL.lock().await;
     let _guard = tracing::subscriber::set_default(subscriber);
+    // Interest cached before this subscriber existed must not hide the handle spans from it.
+    tracing::callsite::rebuild_interest_cache();
 
     let events: Vec<Event> = (0..6).map(|i| ev(&format!("s{i}"), format!("{i}").as_bytes())).collect();
     let broker = memory_broker(&events).await;

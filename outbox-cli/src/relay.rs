@@ -28,9 +28,16 @@ pub(crate) struct RelayArgs {
     /// Rows claimed per batch.
     #[arg(long, allow_negative_numbers = true, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     batch: u32,
-    /// Publishes in flight at once (rows of one key are always published in order, one at a time).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    concurrency: u32,
+    /// Batches between their claim and their recorded outcomes at once: with 2, the next batch
+    /// is claimed while this one publishes and this one completes while the next publishes; 1
+    /// runs claim, publish and complete one after another. Keep depth × (publish time of a
+    /// batch) well under the lease.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pipeline_depth: u32,
+    /// Ignored (kept so existing command lines still parse): the broker's batching now decides
+    /// how many publishes are in flight.
+    #[arg(long, hide = true, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    concurrency: Option<u32>,
     /// Lease length per claim (`30s`, `500ms`, `2m`): how long a row stays with this relay before
     /// another may take it.
     #[arg(long, default_value = "30s", value_parser = duration::parse)]
@@ -89,10 +96,13 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
     let broker = outbox::broker_from_url(&args.broker).await?;
     let outbox = store.outbox();
 
+    if args.concurrency.is_some() {
+        warn!(target: "outbox.relay", "--concurrency is ignored: the broker's batching decides how many publishes are in flight (see --pipeline-depth)");
+    }
     let config = RelayConfig::default()
         .with_owner(owner.clone())
         .with_batch_size(args.batch as usize)
-        .with_concurrency(args.concurrency as usize)
+        .with_pipeline_depth(args.pipeline_depth as usize)
         .with_lease(args.lease)
         .with_max_attempts(args.max_attempts)
         .with_idle_poll(args.idle_poll);
@@ -122,7 +132,7 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
         store = %redact(&args.store),
         broker = %redact(&args.broker),
         batch = args.batch,
-        concurrency = args.concurrency,
+        pipeline_depth = args.pipeline_depth,
         lease = ?args.lease,
         metrics = ?server.as_ref().map(|s| s.addr),
         "relay started"

@@ -165,6 +165,9 @@ pub(crate) struct Settings {
     /// Relays run retention (`outbox relay --retain-published`) with this age (long profile),
     /// so the outbox table stays bounded however long the run.
     pub(crate) retain_published: Option<Duration>,
+    /// Consumers prune their inbox markers older than this (long profile), checked against the
+    /// redelivery horizon, so the marker table stays bounded too.
+    pub(crate) retain_markers: Option<Duration>,
     /// Keep directories.
     pub(crate) keep: bool,
 }
@@ -193,6 +196,10 @@ fn settings(args: &ChaosArgs) -> Settings {
             Profile::Ci => None,
             Profile::Long => Some(RETAIN_PUBLISHED),
         },
+        retain_markers: match args.profile {
+            Profile::Ci => None,
+            Profile::Long => Some(RETAIN_MARKERS),
+        },
         keep: args.keep,
     }
 }
@@ -200,6 +207,9 @@ fn settings(args: &ChaosArgs) -> Settings {
 /// Published-row retention of the `long` profile's relays. The runner snapshots rows more often
 /// than this ([`run`]'s row keeper), so the judge still sees every row that was ever published.
 const RETAIN_PUBLISHED: Duration = Duration::from_secs(60);
+
+/// Marker retention of the `long` profile's consumers: twice the redelivery horizon.
+const RETAIN_MARKERS: Duration = Duration::from_secs(120);
 
 /// Run the chaos profile: `Ok(true)` when every combination passed.
 ///

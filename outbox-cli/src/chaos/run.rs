@@ -153,6 +153,15 @@ async fn play_in(
         s("--poison"),
         bad.poison_id.clone(),
     ];
+    let mut consumer_args = consumer_args;
+    if let Some(age) = settings.retain_markers {
+        consumer_args.extend([
+            s("--marker-retention"),
+            format!("{}ms", age.as_millis()),
+            s("--max-redelivery"),
+            format!("{}ms", MAX_REDELIVERY.as_millis()),
+        ]);
+    }
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs)
         .map_err(|e| Error::permanent(ErrorKind::Config, "chaos", format!("cannot create {}: {e}", logs.display())))?;
@@ -659,6 +668,12 @@ async fn audit_offers(
 
 /// Time between two retention rounds of the relays (`--retain-interval`).
 const RETAIN_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The longest a chaos delivery can come back after its first delivery: a killed consumer's
+/// deliveries return within seconds, a relay's duplicate after its 3 s lease; the drain after a
+/// broker restart is the longest (bounded by the profile's drain). Marker retention must
+/// outlive it ([`outbox::consumer::Retention`] refuses less).
+const MAX_REDELIVERY: Duration = Duration::from_secs(60);
 
 /// Time between two snapshots of the row keeper: well under the retention, so a row is seen
 /// published at least once before a relay may purge it (a snapshot that fails is retried at

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use outbox::consumer::{Consumer, ConsumerConfig, Handler};
+use outbox::consumer::{Consumer, ConsumerConfig, Handler, Retention};
 use outbox::{AnyStore, Broker, ConsumerGroup, Destination, Error, Inbox, Result, Shutdown};
 use tracing::{info, warn};
 
@@ -38,7 +38,18 @@ pub(crate) struct ConsumeArgs {
     /// The event id whose handler always fails.
     #[arg(long)]
     poison: String,
+    /// Prune inbox markers older than this (long profile), every `PRUNE_EVERY`; the redelivery
+    /// horizon the retention is checked against is `--max-redelivery`.
+    #[arg(long, value_parser = crate::duration::parse, requires = "max_redelivery")]
+    marker_retention: Option<Duration>,
+    /// The longest a delivery may come back after its first delivery (consumer kills, lease
+    /// expiry): markers must outlive it ([`outbox::consumer::Retention`]).
+    #[arg(long, value_parser = crate::duration::parse)]
+    max_redelivery: Option<Duration>,
 }
+
+/// How often a chaos consumer prunes its markers when `--marker-retention` is set.
+const PRUNE_EVERY: Duration = Duration::from_secs(5);
 
 /// Run a worker subcommand.
 pub(crate) async fn run(command: WorkerCommand) -> Result<()> {
@@ -53,7 +64,10 @@ async fn consume(args: ConsumeArgs) -> Result<()> {
     let store = AnyStore::connect(&args.store).await?;
     let broker = outbox::broker_from_url(&args.broker).await?;
     let effect = Effect { table: effects_table(&store)?, worker: args.worker.clone(), poison: args.poison.clone() };
-    let config = ConsumerConfig::new(CONSUMER);
+    let mut config = ConsumerConfig::new(CONSUMER);
+    if let (Some(markers), Some(redelivery)) = (args.marker_retention, args.max_redelivery) {
+        config = config.with_retention(Some(Retention::new(markers, redelivery, Duration::ZERO)?));
+    }
     let shutdown = Shutdown::default();
     tokio::spawn(on_sigterm(shutdown.clone()));
     match store {
@@ -86,7 +100,33 @@ async fn serve<I: Inbox, H: Handler<I>>(
         }
     };
     info!(target: "outbox.chaos", "consumer started");
-    consumer.run(subscription.as_mut(), shutdown).await
+    // Pruning runs beside the consumer on this task, until the consumer returns.
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let run = async {
+        let result = consumer.run(subscription.as_mut(), shutdown).await;
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        result
+    };
+    let prune = async {
+        if consumer.config().retention.is_none() {
+            return;
+        }
+        let mut last = tokio::time::Instant::now();
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if last.elapsed() < PRUNE_EVERY {
+                continue;
+            }
+            last = tokio::time::Instant::now();
+            match consumer.prune_markers().await {
+                Ok(n) if n > 0 => info!(target: "outbox.chaos", pruned = n, "markers pruned"),
+                Ok(_) => {}
+                Err(e) => warn!(target: "outbox.chaos", error = %e, "pruning markers failed; next round"),
+            }
+        }
+    };
+    let (result, ()) = tokio::join!(run, prune);
+    result
 }
 
 async fn on_sigterm(shutdown: Shutdown) {

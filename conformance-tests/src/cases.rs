@@ -347,6 +347,13 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_purge_published_keeps_open_rows",
+            class: "OutboxAdmin::purge_published",
+            property: "only published rows older than the age go, oldest publication first, at most `limit` per call; pending, leased and parked rows stay",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_enqueue_rejects_bad_batches",
             class: "OutboxStore::enqueue",
             property: "an oversized or duplicate event rejects the whole batch and writes nothing",
@@ -677,6 +684,7 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_token_fences_same_owner" => store_token_fences_same_owner(harness).await,
             "store_transitions_are_token_conditional" => store_transitions_are_token_conditional(harness).await,
             "store_fail_backoff_park_requeue_purge" => store_fail_backoff_park_requeue_purge(harness).await,
+            "store_purge_published_keeps_open_rows" => store_purge_published_keeps_open_rows(harness).await,
             "store_enqueue_rejects_bad_batches" => store_enqueue_rejects_bad_batches(harness).await,
             "store_stats" => store_stats(harness).await,
             "claim_key_order_takes_a_prefix_per_key" => crate::order::takes_a_prefix_per_key(harness).await,
@@ -1287,6 +1295,42 @@ async fn store_transitions_are_token_conditional<H: Harness>(h: &H) -> outbox_co
     ensure!(CASE, r.status == RowStatus::Pending && r.attempts == 0, "released row: {r:?}");
     ensure!(CASE, fx.store.claim("relay-B", 1, LEASE).await?.len() == 1, "released row is claimable at once");
     Ok(CaseResult::Passed("8 fenced calls changed nothing".into()))
+}
+
+/// `OutboxAdmin::purge_published`: retention deletes only what it may, in bounded batches.
+async fn store_purge_published_keeps_open_rows<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_purge_published_keeps_open_rows";
+    let (fx, clock, _) = store_fixture(h, CASE, 5).await?;
+    // Rows 0..2 published at t, t+1s, t+2s; row 3 parked; row 4 leased.
+    let c = fx.store.claim("relay-A", 5, Duration::from_secs(3600)).await?;
+    ensure!(CASE, c.len() == 5, "claimed {}", c.len());
+    for i in [1usize, 0, 2] {
+        ensure!(
+            CASE,
+            fx.store.complete(c[i].record.row_id, &c[i].lease).await? == Completion::Published,
+            "complete {i}"
+        );
+        clock.advance(Duration::from_secs(1));
+    }
+    ensure!(CASE, fx.store.park(c[3].record.row_id, &c[3].lease, "poison").await? == Outcome::Applied, "park");
+    // now = t+3s: "older than 2s" = published before t+1s: row 1 only (published first).
+    ensure!(CASE, fx.store.purge_published(Duration::from_secs(2), 0).await? == 0, "limit 0 deleted rows");
+    ensure!(CASE, fx.store.purge_published(Duration::from_secs(2), 10).await? == 1, "older than 2s");
+    let ids: Vec<outbox_core::RowId> = all_rows(fx.store.as_ref()).await?.iter().map(|r| r.row_id).collect();
+    ensure!(CASE, !ids.contains(&c[1].record.row_id), "the oldest publication was not purged first: {ids:?}");
+    ensure!(CASE, fx.store.purge_published(Duration::from_millis(1), 1).await? == 1, "batch of 1");
+    ensure!(CASE, fx.store.purge_published(Duration::from_millis(1), 1).await? == 1, "batch of 1 again");
+    ensure!(CASE, fx.store.purge_published(Duration::from_millis(1), 10).await? == 0, "nothing published left");
+    clock.advance(Duration::from_secs(7200)); // the lease of row 4 has expired: pending now
+    ensure!(CASE, fx.store.purge_published(Duration::from_millis(1), 10).await? == 0, "purged an open row");
+    let left: Vec<(outbox_core::RowId, RowStatus)> =
+        all_rows(fx.store.as_ref()).await?.iter().map(|r| (r.row_id, r.status)).collect();
+    ensure!(
+        CASE,
+        left == [(c[3].record.row_id, RowStatus::Parked), (c[4].record.row_id, RowStatus::Pending)],
+        "left: {left:?}"
+    );
+    Ok(CaseResult::Passed("old published rows purged oldest first, in batches; open rows kept".into()))
 }
 
 async fn store_fail_backoff_park_requeue_purge<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {

@@ -334,6 +334,10 @@ impl OutboxAdmin for MutantStore {
         self.inner.purge_parked(rows).await
     }
 
+    async fn purge_published(&self, older_than: Duration, limit: usize) -> Result<u64> {
+        self.inner.purge_published(older_than, limit).await
+    }
+
     async fn stats(&self) -> Result<OutboxStats> {
         self.inner.stats().await
     }

@@ -22,6 +22,7 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
+use tokio::time::timeout_at;
 use tracing::{debug, warn};
 
 pub use config::{ENV_BOOTSTRAP, ENV_URL, KafkaConfig};
@@ -183,6 +184,10 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     })
 }
 
+/// How long past the delivery timeout a batch waits for a record's delivery report: librdkafka
+/// times each record out itself, this only keeps a lost report from hanging the batch.
+const REPORT_GRACE: Duration = Duration::from_secs(5);
+
 /// Validate `event` as `publish` does and build its Kafka headers (the event id first).
 fn record_headers(event: &Event) -> Result<OwnedHeaders> {
     // Size is left to librdkafka (`message.max.bytes`) and the broker, which know the limit.
@@ -221,8 +226,11 @@ impl KafkaBroker {
         // Keys whose event failed first (before sending, or while enqueuing): later events of
         // the key are not sent.
         let mut failed: HashMap<&str, String> = HashMap::new();
-        let mut in_flight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
-        let mut delivered: Vec<(usize, <DeliveryFuture as std::future::Future>::Output)> = Vec::new();
+        // Each record's delivery report is due within `message.timeout.ms` (the delivery timeout)
+        // of its enqueueing; waiting longer would hang on a lost callback.
+        let due = |enqueued: Instant| tokio::time::Instant::from_std(enqueued + timeout + REPORT_GRACE);
+        let mut in_flight: VecDeque<(usize, DeliveryFuture, Instant)> = VecDeque::new();
+        let mut delivered: Vec<(usize, Option<<DeliveryFuture as std::future::Future>::Output>)> = Vec::new();
         for (i, event) in events.iter().enumerate() {
             if let Some(first) = event.key.as_deref().and_then(|k| failed.get(k)) {
                 out[i] = Some(Err(skipped(BACKEND, first)));
@@ -243,7 +251,7 @@ impl KafkaBroker {
                                 // this batch (or a moment, as `send` does), then try again.
                                 record = back;
                                 match in_flight.pop_front() {
-                                    Some((j, f)) => delivered.push((j, f.await)),
+                                    Some((j, f, at)) => delivered.push((j, timeout_at(due(at), f).await.ok())),
                                     None => tokio::time::sleep(Duration::from_millis(100)).await,
                                 }
                             }
@@ -258,7 +266,7 @@ impl KafkaBroker {
                 }
             };
             match enqueued {
-                Ok(future) => in_flight.push_back((i, future)),
+                Ok(future) => in_flight.push_back((i, future, Instant::now())),
                 Err(e) => {
                     if let Some(k) = event.key.as_deref() {
                         failed.insert(k, event.id.to_string());
@@ -267,8 +275,8 @@ impl KafkaBroker {
                 }
             }
         }
-        for (i, future) in in_flight {
-            delivered.push((i, future.await));
+        for (i, future, at) in in_flight {
+            delivered.push((i, timeout_at(due(at), future).await.ok()));
         }
         let fatal = slot.producer.client().fatal_error();
         if let Some((code, reason)) = &fatal {
@@ -280,12 +288,12 @@ impl KafkaBroker {
         for (i, result) in delivered {
             let event = &events[i];
             out[i] = Some(match result {
-                Ok(Ok(delivery)) => {
+                Some(Ok(Ok(delivery))) => {
                     debug!(target: "outbox.kafka", event = %event.id, topic = %event.destination,
                         partition = delivery.partition, offset = delivery.offset, "published");
                     Ok(())
                 }
-                Ok(Err((e, _))) => match &fatal {
+                Some(Ok(Err((e, _)))) => match &fatal {
                     Some((code, reason)) => Err(Error::transient(
                         ErrorKind::Rejected,
                         BACKEND,
@@ -294,10 +302,19 @@ impl KafkaBroker {
                     .with_source(e)),
                     None => Err(error::convert(&format!("publishing event {} to {}", event.id, event.destination), e)),
                 },
-                Err(_canceled) => Err(Error::outcome_unknown(
+                Some(Err(_canceled)) => Err(Error::outcome_unknown(
                     ErrorKind::Closed,
                     BACKEND,
                     format!("event {}: the producer went away before its delivery report", event.id),
+                )),
+                None => Err(Error::outcome_unknown(
+                    ErrorKind::Timeout,
+                    BACKEND,
+                    format!(
+                        "event {}: no delivery report within the delivery timeout of {timeout:?} (and {REPORT_GRACE:?} \
+                         more); it may or may not have been stored",
+                        event.id
+                    ),
                 )),
             });
         }

@@ -237,8 +237,9 @@ impl RedisBroker {
         format!("{}{}", self.inner.config.prefix, destination.as_str())
     }
 
-    fn dedupe_key(&self, destination: &Destination, event: &Event) -> String {
-        format!("{}:dedupe:{}", self.stream_key(destination), event.id.as_str())
+    /// The dedupe key of `event` on `stream` (its destination's [`stream_key`](Self::stream_key)).
+    fn dedupe_key(stream: &str, event: &Event) -> String {
+        format!("{stream}:dedupe:{}", event.id.as_str())
     }
 
     /// Join `group` on `destination` under a consumer name of its own: the configured
@@ -487,16 +488,16 @@ impl RedisBroker {
         while start < events.len() {
             // Build one chunk: validated events, in slice order.
             let mut inv = self.inner.publish_batch.prepare_invoke();
-            let window_ms = c.dedupe_window.map_or(0, |w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX).max(1));
-            inv.arg(window_ms).arg(c.max_len.unwrap_or(0)).arg(TRIM_BATCH);
-            let mut sent: Vec<usize> = Vec::new();
+            self.publish_args(&mut inv);
+            // Each event sent, with its stream key (for the reply's messages).
+            let mut sent: Vec<(usize, String)> = Vec::new();
             let mut bytes = 0;
             let mut i = start;
             while i < events.len() && sent.len() < BATCH_EVENTS && (sent.is_empty() || bytes < BATCH_BYTES) {
                 let event = &events[i];
                 let lane = lane_of_events[i];
                 i += 1;
-                if let Some(first) = failed.get(&lane).filter(|_| lane != 0) {
+                if let Some(first) = failed.get(&lane) {
                     out[i - 1] = Some(Err(skipped(BACKEND, first)));
                     continue;
                 }
@@ -508,13 +509,14 @@ impl RedisBroker {
                     continue;
                 }
                 let fields = codec::encode(event);
-                inv.key(self.stream_key(&event.destination)).key(self.dedupe_key(&event.destination, event));
+                let stream = self.stream_key(&event.destination);
+                inv.key(&stream).key(Self::dedupe_key(&stream, event));
                 inv.arg(lane).arg(fields.len() * 2);
                 for (f, v) in &fields {
                     bytes += f.len() + v.len();
                     inv.arg(f.as_slice()).arg(*v);
                 }
-                sent.push(i - 1);
+                sent.push((i - 1, stream));
             }
             start = i;
             if sent.is_empty() {
@@ -527,9 +529,8 @@ impl RedisBroker {
             match outcomes {
                 Err(err) => {
                     // The script may or may not have run: every event of it gets the error.
-                    for &k in &sent {
+                    for (k, stream) in sent {
                         let event = &events[k];
-                        let stream = self.stream_key(&event.destination);
                         out[k] = Some(Err(err.clone().with_operation(format!("publish {} to {stream}", event.id))));
                         if lane_of_events[k] != 0 {
                             failed.entry(lane_of_events[k]).or_insert_with(|| event.id.to_string());
@@ -537,10 +538,9 @@ impl RedisBroker {
                     }
                 }
                 Ok(outcomes) => {
-                    for (&k, outcome) in sent.iter().zip(outcomes) {
+                    for ((k, stream), outcome) in sent.into_iter().zip(outcomes) {
                         let event = &events[k];
                         let lane = lane_of_events[k];
-                        let stream = self.stream_key(&event.destination);
                         let doing = || format!("publish {} to {stream}", event.id);
                         let r = match outcome {
                             Outcome::Replied(parts) => published(&stream, event, parts, &doing),
@@ -673,7 +673,7 @@ impl Broker for RedisBroker {
             return Ok(());
         }
         let mut inv = self.inner.publish.prepare_invoke();
-        inv.key(&stream).key(self.dedupe_key(&event.destination, event)).arg("publish");
+        inv.key(&stream).key(Self::dedupe_key(&stream, event)).arg("publish");
         self.publish_args(&mut inv);
         for (f, v) in &fields {
             inv.arg(f.as_slice()).arg(*v);

@@ -303,6 +303,29 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "broker_publish_batch_keeps_key_order_and_delivers_each_once",
+            class: "Broker::publish_batch",
+            property: "a batch of keyed and keyless events, all accepted: each received once, byte-for-byte, \
+                       each key's events in slice order",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "broker_publish_batch_failed_event_skips_later_of_its_key",
+            class: "Broker::publish_batch",
+            property: "an event that cannot be sent fails alone with its own error; the later events of its key \
+                       are transient Skipped errors and never delivered; other keys and keyless events are delivered",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "broker_publish_batch_empty_is_empty",
+            class: "Broker::publish_batch",
+            property: "an empty slice returns an empty vector",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_claim_skips_live_leases",
             class: "OutboxStore::claim",
             property: "concurrent claims never return a row while its lease is valid; every claim increments the token",
@@ -415,6 +438,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "consumer_concurrent_keeps_key_order_and_applies_once",
+            class: "Consumer::drain",
+            property: "many deliveries in flight: one key's events take effect one at a time in receive order, two \
+                       copies of an event apply once, and a full drain leaves nothing unacknowledged",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "foreign_message_is_handed_out_not_an_error",
             class: "Subscription::receive",
             property: "messages that are not outbox events (no or bad id, unknown format, bad header name, \
@@ -446,6 +477,14 @@ pub fn all_cases() -> Vec<Case> {
             property: "key order: a keyed row is claimed only with every earlier unpublished row of its key; a row \
                        that backs off or is leased by another relay holds back only the later rows of its key, \
                        other keys and rows without a key keep flowing",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "claim_key_order_blocked_middle_row_holds_back_the_rest_of_its_key",
+            class: "OutboxStore::claim",
+            property: "key order: a keyed row is claimed only with every earlier unpublished row of its key, also \
+                       when the blocked earlier row is neither the key's head nor the row's predecessor",
             needs: &[],
             body: Function,
         },
@@ -673,6 +712,13 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
                 broker_groups_receive_only_their_destination(harness).await
             }
             "broker_oversized_message_is_permanent_and_harmless" => broker_oversized_message(harness).await,
+            "broker_publish_batch_keeps_key_order_and_delivers_each_once" => {
+                crate::batch_cases::keeps_key_order_and_delivers_each_once(harness).await
+            }
+            "broker_publish_batch_failed_event_skips_later_of_its_key" => {
+                crate::batch_cases::failed_event_skips_later_of_its_key(harness).await
+            }
+            "broker_publish_batch_empty_is_empty" => crate::batch_cases::empty_is_empty(harness).await,
             "store_concurrent_claims_never_share_a_row" => store_concurrent_claims(harness).await,
             "store_complete_many_answers_each_row_as_complete_would" => store_complete_many(harness).await,
             "relay_transient_failure_is_retried_not_completed" => relay_transient_failure(harness, engines).await,
@@ -680,6 +726,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "relay_one_key_is_published_one_at_a_time_in_row_order" => relay_key_order(harness, engines).await,
             "relay_shutdown_releases_unpublished_rows" => relay_shutdown_releases(harness, engines).await,
             "inbox_commit_failure_is_not_acknowledged" => inbox_commit_failure(harness, engines).await,
+            "consumer_concurrent_keeps_key_order_and_applies_once" => {
+                crate::consumer_cases::consumer_concurrent_keeps_key_order_and_applies_once(harness).await
+            }
             "store_claim_skips_live_leases" => store_claim_skips_live_leases(harness).await,
             "store_token_fences_same_owner" => store_token_fences_same_owner(harness).await,
             "store_transitions_are_token_conditional" => store_transitions_are_token_conditional(harness).await,
@@ -688,6 +737,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_enqueue_rejects_bad_batches" => store_enqueue_rejects_bad_batches(harness).await,
             "store_stats" => store_stats(harness).await,
             "claim_key_order_takes_a_prefix_per_key" => crate::order::takes_a_prefix_per_key(harness).await,
+            "claim_key_order_blocked_middle_row_holds_back_the_rest_of_its_key" => {
+                crate::store_cases::blocked_middle_row_holds_back_the_rest_of_its_key(harness).await
+            }
             "claim_key_order_holds_under_concurrent_claims" => {
                 crate::order::holds_under_concurrent_claims(harness).await
             }
@@ -1300,10 +1352,16 @@ async fn store_transitions_are_token_conditional<H: Harness>(h: &H) -> outbox_co
 /// `OutboxAdmin::purge_published`: retention deletes only what it may, in bounded batches.
 async fn store_purge_published_keeps_open_rows<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "store_purge_published_keeps_open_rows";
-    let (fx, clock, _) = store_fixture(h, CASE, 5).await?;
-    // Rows 0..2 published at t, t+1s, t+2s; row 3 parked; row 4 leased.
-    let c = fx.store.claim("relay-A", 5, Duration::from_secs(3600)).await?;
-    ensure!(CASE, c.len() == 5, "claimed {}", c.len());
+    let (fx, clock, events) = store_fixture(h, CASE, 7).await?;
+    // Rows 0..2 published at t+1s, t, t+2s; row 3 parked; row 4 leased; row 5 failed (pending,
+    // one attempt); row 6 never claimed.
+    let c = fx.store.claim("relay-A", 6, Duration::from_secs(3600)).await?;
+    ensure!(CASE, c.len() == 6, "claimed {}", c.len());
+    ensure!(
+        CASE,
+        fx.store.fail(c[5].record.row_id, &c[5].lease, Duration::ZERO, "down").await? == Outcome::Applied,
+        "fail"
+    );
     for i in [1usize, 0, 2] {
         ensure!(
             CASE,
@@ -1323,13 +1381,26 @@ async fn store_purge_published_keeps_open_rows<H: Harness>(h: &H) -> outbox_core
     ensure!(CASE, fx.store.purge_published(Duration::from_millis(1), 10).await? == 0, "nothing published left");
     clock.advance(Duration::from_secs(7200)); // the lease of row 4 has expired: pending now
     ensure!(CASE, fx.store.purge_published(Duration::from_millis(1), 10).await? == 0, "purged an open row");
-    let left: Vec<(outbox_core::RowId, RowStatus)> =
-        all_rows(fx.store.as_ref()).await?.iter().map(|r| (r.row_id, r.status)).collect();
+    // Which events are left (by their index), and in what state.
+    let left: Vec<(Option<usize>, RowStatus)> = all_rows(fx.store.as_ref())
+        .await?
+        .iter()
+        .map(|r| (events.iter().position(|e| e.id == r.event.id), r.status))
+        .collect();
     ensure!(
         CASE,
-        left == [(c[3].record.row_id, RowStatus::Parked), (c[4].record.row_id, RowStatus::Pending)],
-        "left: {left:?}"
+        left == [
+            (Some(3), RowStatus::Parked),
+            (Some(4), RowStatus::Pending),
+            (Some(5), RowStatus::Pending),
+            (Some(6), RowStatus::Pending)
+        ],
+        "left (event index, status): {left:?}"
     );
+    let s = fx.store.stats().await?;
+    ensure!(CASE, (s.published, s.pending, s.parked) == (0, 3, 1), "stats after the purge: {s:?}");
+    // A purged row is gone, not hidden: its event id can be enqueued again.
+    ensure!(CASE, fx.store.enqueue(&events[1..2]).await?.len() == 1, "re-enqueue of a purged event id");
     Ok(CaseResult::Passed("old published rows purged oldest first, in batches; open rows kept".into()))
 }
 

@@ -1,6 +1,8 @@
 #![doc = include_str!("../README.md")]
 
+mod batch_cases;
 pub mod cases;
+mod consumer_cases;
 pub mod docs;
 pub mod engines;
 pub mod explore;
@@ -13,6 +15,7 @@ pub mod reference;
 pub mod runner;
 pub mod script;
 pub mod service;
+mod store_cases;
 pub mod world;
 
 pub use cases::{Case, CaseResult, Counterexample, all_cases, replay, run_case, run_case_with};

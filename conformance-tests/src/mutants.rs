@@ -46,6 +46,10 @@ pub enum Mutant {
     /// Claim that passes over a parked head row although the store is configured to block
     /// ([`ParkedHead::Block`]).
     ClaimSkipsParkedHead,
+    /// Claim that checks a keyed row against its key's head and its direct predecessor only, not
+    /// the whole prefix: a row blocked in the middle of a key holds back the row after it, but
+    /// not the rows after that.
+    ClaimChecksHeadAndPredecessorOnly,
     /// Rows marked published when claimed, before anything is sent.
     PublishedOnClaim,
     /// The inbox marker committed in its own transaction, before the effect.
@@ -65,6 +69,12 @@ pub enum Mutant {
     /// A broker that names each group's queue `<destination>.<group>`: `(d.eu, billing)` and
     /// `(d, eu.billing)` share one queue.
     JoinedQueueNames,
+    /// A broker whose `publish_batch` sends the batch in reverse slice order: a key's later
+    /// events reach the broker before its earlier ones.
+    BatchReversesOrder,
+    /// A broker whose `publish_batch` publishes every event on its own: after an event fails,
+    /// the later events of its key are still sent and reported `Ok`.
+    BatchDoesNotSkipAfterFailure,
     /// A relay that completes a row whose publish failed transiently.
     RelayCompletesFailedPublish,
     /// A relay that publishes all rows of a batch at once, whatever their keys.
@@ -85,12 +95,13 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 21] = [
+    pub const ALL: [Mutant; 24] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
         Mutant::ClaimIgnoresKeyOrder,
         Mutant::ClaimSkipsParkedHead,
+        Mutant::ClaimChecksHeadAndPredecessorOnly,
         Mutant::PublishedOnClaim,
         Mutant::MarkerFirst,
         Mutant::EffectFirst,
@@ -99,6 +110,8 @@ impl Mutant {
         Mutant::CompleteManyChecksFirstRowOnly,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
+        Mutant::BatchReversesOrder,
+        Mutant::BatchDoesNotSkipAfterFailure,
         Mutant::RelayCompletesFailedPublish,
         Mutant::RelayPublishesOneKeyConcurrently,
         Mutant::RelayKeepsLeasesOnShutdown,
@@ -149,6 +162,9 @@ impl fmt::Display for Mutant {
             Self::ClaimKeepsToken => "claim that does not increment the token",
             Self::ClaimIgnoresKeyOrder => "claim that ignores key order (a later row overtakes its key's head)",
             Self::ClaimSkipsParkedHead => "claim that passes over a parked head under ParkedHead::Block",
+            Self::ClaimChecksHeadAndPredecessorOnly => {
+                "claim that checks only a key's head and the row's predecessor (a row blocked mid-key is overtaken)"
+            }
             Self::PublishedOnClaim => "mark published before publishing",
             Self::MarkerFirst => "marker and effect in separate transactions (marker first)",
             Self::EffectFirst => "marker and effect in separate transactions (effect first)",
@@ -157,6 +173,8 @@ impl fmt::Display for Mutant {
             Self::CompleteManyChecksFirstRowOnly => "complete_many that checks only the first row's lease",
             Self::DropsUnboundPublishes => "publish without mandatory: unbound destinations drop messages",
             Self::JoinedQueueNames => "queue names joined with '.' (destination and group names collide)",
+            Self::BatchReversesOrder => "publish_batch that sends a batch in reverse order",
+            Self::BatchDoesNotSkipAfterFailure => "publish_batch that goes on with a key after its event failed",
             Self::RelayCompletesFailedPublish => "relay that completes a row whose publish failed transiently",
             Self::RelayPublishesOneKeyConcurrently => "relay that publishes one key's rows concurrently",
             Self::RelayKeepsLeasesOnShutdown => "relay that does not release claimed rows on shutdown",
@@ -191,6 +209,44 @@ impl MutantStore {
         }
     }
 
+    /// [`Mutant::ClaimChecksHeadAndPredecessorOnly`]: of the rows the key-blind inner claim took,
+    /// release those whose key's head or direct predecessor (in `before`, the rows as the claim
+    /// found them) is blocked: leased, parked or backing off.
+    async fn head_and_predecessor_only(
+        &self,
+        claimed: Vec<Claimed>,
+        before: &[RowSnapshot],
+        lease: Duration,
+    ) -> Result<Vec<Claimed>> {
+        let keys = lock(&self.keys).clone();
+        let mut kept = Vec::with_capacity(claimed.len());
+        for c in claimed {
+            let now = c.lease.expires_at.as_millis().saturating_sub(i64::try_from(lease.as_millis()).unwrap_or(0));
+            let blocked = |r: &RowSnapshot| match r.status {
+                RowStatus::Leased | RowStatus::Parked => true,
+                RowStatus::Pending => r.available_at.as_millis() > now,
+                RowStatus::Published => false,
+            };
+            let earlier: Vec<&RowSnapshot> = match keys.get(&c.record.event.id) {
+                Some(k) => before
+                    .iter()
+                    .filter(|r| {
+                        r.row_id < c.record.row_id
+                            && r.status != RowStatus::Published
+                            && keys.get(&r.event.id) == Some(k)
+                    })
+                    .collect(),
+                None => Vec::new(),
+            };
+            if earlier.first().is_some_and(|r| blocked(r)) || earlier.last().is_some_and(|r| blocked(r)) {
+                let _ = self.inner.release(c.record.row_id, &c.lease).await?;
+            } else {
+                kept.push(c);
+            }
+        }
+        Ok(kept)
+    }
+
     async fn row(&self, row: RowId) -> Result<Option<RowSnapshot>> {
         Ok(self.inner.inspect(row - 1, 1).await?.into_iter().find(|r| r.row_id == row))
     }
@@ -223,7 +279,7 @@ impl OutboxStore for MutantStore {
     }
 
     async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
-        if self.mode != Mutant::ClaimIgnoresKeyOrder {
+        if !matches!(self.mode, Mutant::ClaimIgnoresKeyOrder | Mutant::ClaimChecksHeadAndPredecessorOnly) {
             return self.inner.enqueue(events).await;
         }
         let keyless: Vec<Event> = events.iter().map(|e| Event { key: None, ..e.clone() }).collect();
@@ -247,7 +303,15 @@ impl OutboxStore for MutantStore {
                 }
             }
         }
+        let before = if self.mode == Mutant::ClaimChecksHeadAndPredecessorOnly {
+            all_rows(&self.inner).await?
+        } else {
+            Vec::new()
+        };
         let mut claimed = self.inner.claim(owner, limit, lease).await?;
+        if self.mode == Mutant::ClaimChecksHeadAndPredecessorOnly {
+            claimed = self.head_and_predecessor_only(claimed, &before, lease).await?;
+        }
         match self.mode {
             Mutant::PublishedOnClaim => {
                 for c in &claimed {
@@ -566,6 +630,9 @@ impl Harness for MutantHarness {
         let broker: Arc<dyn Broker> = match mode {
             Mutant::AckBeforeCommit => Arc::new(AckOnReceipt(mem)),
             Mutant::DropsUnboundPublishes => Arc::new(DropsUnbound { inner: mem, groups: Mutex::default() }),
+            Mutant::BatchReversesOrder | Mutant::BatchDoesNotSkipAfterFailure => {
+                Arc::new(WrongBatch { inner: mem, mode })
+            }
             Mutant::JoinedQueueNames => {
                 foreign = Arc::new(QueueForeign(mem.clone()));
                 Arc::new(JoinedQueues { inner: mem, bindings: Mutex::default() })
@@ -610,6 +677,43 @@ impl Broker for DropsUnbound {
     }
     async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
         lock(&self.groups).entry(d.clone()).or_default().insert(g.clone());
+        self.inner.subscribe(d, g).await
+    }
+}
+
+/// The reference broker with a wrong `publish_batch` ([`Mutant::BatchReversesOrder`] or
+/// [`Mutant::BatchDoesNotSkipAfterFailure`]).
+struct WrongBatch {
+    inner: MemoryBroker,
+    mode: Mutant,
+}
+
+#[async_trait]
+impl Broker for WrongBatch {
+    fn backend(&self) -> &'static str {
+        "mutant"
+    }
+    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> Result<()> {
+        self.inner.declare(d, g).await
+    }
+    async fn publish(&self, e: &Event) -> Result<()> {
+        self.inner.publish(e).await
+    }
+    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
+        let mut out = Vec::with_capacity(events.len());
+        if self.mode == Mutant::BatchReversesOrder {
+            for e in events.iter().rev() {
+                out.push(self.inner.publish(e).await);
+            }
+            out.reverse();
+        } else {
+            for e in events {
+                out.push(self.inner.publish(e).await);
+            }
+        }
+        out
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
         self.inner.subscribe(d, g).await
     }
 }

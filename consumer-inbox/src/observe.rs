@@ -3,12 +3,14 @@
 //!
 //! Outcomes are counted where a delivery ends (its acknowledgement), so that every delivery is
 //! counted exactly once and a counter never runs ahead of durable state: `applied` moves only
-//! after the commit and the acknowledgement. Metrics go through the `metrics` facade; without
-//! an installed recorder they cost a lookup and nothing else.
+//! after the commit and the acknowledgement. Metrics go through the `metrics` facade. Their
+//! handles are registered once, when the consumer is built (with the recorder installed by
+//! then), so a delivery pays an increment, not a label allocation and a registry lookup.
 
 use std::sync::Once;
 use std::time::Duration;
 
+use metrics::{Counter, Histogram};
 use outbox_core::Result;
 
 use crate::runtime::Handled;
@@ -23,7 +25,7 @@ pub(crate) const FAILED: &str = "outbox_consumer_failed_total";
 pub(crate) const HANDLE_SECONDS: &str = "outbox_consumer_handle_seconds";
 
 /// Describe the metrics to the installed recorder (once per process).
-pub(crate) fn describe() {
+fn describe() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         use metrics::{Unit, describe_counter, describe_histogram};
@@ -66,17 +68,54 @@ pub(crate) fn describe() {
     });
 }
 
-/// Count how one delivery ended and how long it took.
-pub(crate) fn record(consumer: &str, outcome: &Result<Handled>, elapsed: Duration) {
-    let name = match outcome {
-        Ok(Handled::Applied) => APPLIED,
-        Ok(Handled::Duplicate) => DUPLICATE,
-        Ok(Handled::Stale { .. }) => STALE,
-        Ok(Handled::Conflict) => CONFLICT,
-        Ok(Handled::Uncertain | Handled::DeadLettered { .. }) => DEAD_LETTERED,
-        Ok(Handled::Malformed { .. }) => MALFORMED,
-        Ok(Handled::Retry { .. }) | Err(_) => FAILED,
-    };
-    metrics::counter!(name, "consumer" => consumer.to_owned()).increment(1);
-    metrics::histogram!(HANDLE_SECONDS, "consumer" => consumer.to_owned()).record(elapsed.as_secs_f64());
+/// One consumer's metric handles, labelled with its name.
+pub(crate) struct Metrics {
+    applied: Counter,
+    duplicate: Counter,
+    stale: Counter,
+    conflict: Counter,
+    dead_lettered: Counter,
+    malformed: Counter,
+    failed: Counter,
+    handle_seconds: Histogram,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    /// Describe the metrics (once per process) and register `consumer`'s handles with the
+    /// recorder installed now.
+    pub(crate) fn new(consumer: &str) -> Self {
+        describe();
+        let labels = [("consumer", consumer.to_owned())];
+        Self {
+            applied: metrics::counter!(APPLIED, &labels),
+            duplicate: metrics::counter!(DUPLICATE, &labels),
+            stale: metrics::counter!(STALE, &labels),
+            conflict: metrics::counter!(CONFLICT, &labels),
+            dead_lettered: metrics::counter!(DEAD_LETTERED, &labels),
+            malformed: metrics::counter!(MALFORMED, &labels),
+            failed: metrics::counter!(FAILED, &labels),
+            handle_seconds: metrics::histogram!(HANDLE_SECONDS, &labels),
+        }
+    }
+
+    /// Count how one delivery ended and how long it took.
+    pub(crate) fn record(&self, outcome: &Result<Handled>, elapsed: Duration) {
+        let counter = match outcome {
+            Ok(Handled::Applied) => &self.applied,
+            Ok(Handled::Duplicate) => &self.duplicate,
+            Ok(Handled::Stale { .. }) => &self.stale,
+            Ok(Handled::Conflict) => &self.conflict,
+            Ok(Handled::Uncertain | Handled::DeadLettered { .. }) => &self.dead_lettered,
+            Ok(Handled::Malformed { .. }) => &self.malformed,
+            Ok(Handled::Retry { .. }) | Err(_) => &self.failed,
+        };
+        counter.increment(1);
+        self.handle_seconds.record(elapsed.as_secs_f64());
+    }
 }

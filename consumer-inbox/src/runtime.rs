@@ -185,6 +185,7 @@ struct Inner<I, H> {
     inbox: I,
     handler: H,
     config: ConsumerConfig,
+    metrics: crate::observe::Metrics,
 }
 
 impl<I, H> Clone for Consumer<I, H> {
@@ -194,10 +195,11 @@ impl<I, H> Clone for Consumer<I, H> {
 }
 
 impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
-    /// A consumer over `inbox` running `handler`.
+    /// A consumer over `inbox` running `handler`. Its metrics are registered here, with the
+    /// `metrics` recorder installed at this point: install one before, if any.
     pub fn new(inbox: I, handler: H, config: ConsumerConfig) -> Self {
-        crate::observe::describe();
-        Self { inner: Arc::new(Inner { inbox, handler, config }) }
+        let metrics = crate::observe::Metrics::new(&config.name);
+        Self { inner: Arc::new(Inner { inbox, handler, config, metrics }) }
     }
 
     /// The inbox.
@@ -262,7 +264,7 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
         let (event, lost) = foreign.message.to_event();
         let span = outbox_core::telemetry::handle_span(&self.inner.config.name, &event);
         let outcome = self.record_foreign(foreign, event, lost).instrument(span).await;
-        crate::observe::record(&self.inner.config.name, &outcome, started.elapsed());
+        self.inner.metrics.record(&outcome, started.elapsed());
         outcome
     }
 
@@ -623,9 +625,9 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// The broker's acknowledgement error.
     pub async fn acknowledge(self) -> Result<Handled> {
         let span = self.span.clone();
-        let (name, started) = (self.consumer.inner.config.name.clone(), self.started);
+        let (inner, started) = (Arc::clone(&self.consumer.inner), self.started);
         let outcome = self.acknowledge_inner().instrument(span).await;
-        crate::observe::record(&name, &outcome, started.elapsed());
+        inner.metrics.record(&outcome, started.elapsed());
         outcome
     }
 

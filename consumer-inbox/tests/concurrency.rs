@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
-use common::{BOUND, Gauge, Log, Recording, Rng, dest, group, label, memory_broker, wait_until};
+use common::{BOUND, Gauge, Log, Recording, Rng, Running, dest, group, label, memory_broker};
 use outbox_consumer_inbox::{Consumer, ConsumerConfig, DEFAULT_MAX_IN_FLIGHT, EffectKind, Handled, Handler};
 use outbox_core::memory::{MemoryInbox, MemoryTx};
-use outbox_core::{Broker, DeadLetterReason, Error, ErrorKind, Event, EventId, InboxAdmin, Result, Shutdown};
+use outbox_core::{Broker, DeadLetterReason, Error, ErrorKind, Event, EventId, InboxAdmin, Result};
 use tokio::sync::{Barrier, Semaphore};
 
 const IDLE: std::time::Duration = std::time::Duration::from_millis(50);
@@ -267,23 +267,11 @@ async fn shutdown_lets_running_deliveries_finish_and_loses_nothing() {
     let (hold, gauge) = (handler.hold.clone(), handler.gauge.clone());
     let inbox = MemoryInbox::default();
     let consumer = Consumer::new(inbox.clone(), handler, ConsumerConfig::new("c").with_max_in_flight(4));
-    let shutdown = Shutdown::default();
-    let mut sub = broker.subscribe(&dest(), &group()).await.unwrap();
-    let running = tokio::spawn({
-        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
-        async move {
-            consumer.run(sub.as_mut(), &shutdown).await.unwrap();
-            sub
-        }
-    });
-    wait_until("four deliveries inside the handler", || {
-        let g = gauge.clone();
-        async move { g.now() == 4 }
-    })
-    .await;
-    shutdown.trigger();
+    let running = Running::start(&consumer, &broker).await;
+    running.wait_inside(&gauge, 4, "four deliveries inside the handler").await;
+    running.trigger();
     hold.add_permits(4);
-    let sub = tokio::time::timeout(BOUND, running).await.expect("run stops").unwrap();
+    let sub = running.stopped("run stops").await;
     let mut applied = effects(&inbox);
     applied.sort();
     assert_eq!(applied, ["hold0", "hold1", "hold2", "hold3"], "the running ones finished");
@@ -309,22 +297,10 @@ async fn shutdown_after_the_grace_drops_unfinished_deliveries_unacknowledged() {
     let inbox = MemoryInbox::default();
     let config = ConsumerConfig::new("c").with_max_in_flight(4).with_shutdown_grace(std::time::Duration::ZERO);
     let consumer = Consumer::new(inbox.clone(), handler, config.with_receive_wait(IDLE));
-    let shutdown = Shutdown::default();
-    let mut sub = broker.subscribe(&dest(), &group()).await.unwrap();
-    let running = tokio::spawn({
-        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
-        async move {
-            consumer.run(sub.as_mut(), &shutdown).await.unwrap();
-            sub
-        }
-    });
-    wait_until("three deliveries inside the handler", || {
-        let g = gauge.clone();
-        async move { g.now() == 3 }
-    })
-    .await;
-    shutdown.trigger();
-    let sub = tokio::time::timeout(BOUND, running).await.expect("run stops after the grace").unwrap();
+    let running = Running::start(&consumer, &broker).await;
+    running.wait_inside(&gauge, 3, "three deliveries inside the handler").await;
+    running.trigger();
+    let sub = running.stopped("run stops after the grace").await;
     assert!(effects(&inbox).is_empty() && inbox.markers("c").await.unwrap().is_empty(), "nothing committed");
     assert_eq!(unacked(&broker), 3);
     drop(sub);

@@ -14,10 +14,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::{BOUND, Gauge, dest, group, label, memory_broker, wait_until};
+use common::{BOUND, Gauge, Running, dest, group, label, memory_broker};
 use outbox_consumer_inbox::{Consumer, ConsumerConfig, EffectKind, Handled, Handler};
 use outbox_core::memory::MemoryBroker;
-use outbox_core::{Broker, Error, ErrorKind, Event, EventId, InboxAdmin, Result, Shutdown};
+use outbox_core::{Broker, Error, ErrorKind, Event, EventId, InboxAdmin, Result};
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe};
 use outbox_store_postgres::{PgConfig, PgInbox, PgStore, PgTx, map_error};
 use tokio::sync::{Barrier, Semaphore};
@@ -223,22 +223,10 @@ async fn postgres_shutdown_after_the_grace_rolls_back_and_redelivers() {
     let config =
         ConsumerConfig::new(CONSUMER).with_max_in_flight(4).with_shutdown_grace(Duration::ZERO).with_receive_wait(IDLE);
     let consumer = Consumer::new(store.inbox(), handler, config);
-    let shutdown = Shutdown::default();
-    let mut sub = broker.subscribe(&dest(), &group()).await.unwrap();
-    let running = tokio::spawn({
-        let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
-        async move {
-            consumer.run(sub.as_mut(), &shutdown).await.unwrap();
-            sub
-        }
-    });
-    wait_until("three deliveries holding uncommitted effect rows", || {
-        let g = gauge.clone();
-        async move { g.now() == 3 }
-    })
-    .await;
-    shutdown.trigger();
-    let sub = tokio::time::timeout(BOUND, running).await.expect("run stops after the grace").unwrap();
+    let running = Running::start(&consumer, &broker).await;
+    running.wait_inside(&gauge, 3, "three deliveries holding uncommitted effect rows").await;
+    running.trigger();
+    let sub = running.stopped("run stops after the grace").await;
     assert!(effect_rows(&store, &schema).await.is_empty(), "the unfinished effects rolled back");
     assert!(store.inbox().markers(CONSUMER).await.unwrap().is_empty(), "and their markers");
     assert_eq!(unacked(&broker), 3, "never acknowledged");

@@ -9,9 +9,9 @@
 
 use std::time::Duration;
 
+use outbox::Result;
 use outbox::consumer::Retention;
 use outbox::core::retention::{Cleanup, CleanupConfig, MarkerPruning};
-use outbox::{AnyStore, Result};
 
 use crate::duration;
 
@@ -23,7 +23,7 @@ pub(crate) struct CleanupArgs {
     store: String,
     /// Delete published rows published longer ago than this (`7d`, `12h`, `30m`); must be longer
     /// than zero.
-    #[arg(long, value_parser = parse_age)]
+    #[arg(long, value_parser = duration::parse)]
     published_older_than: Duration,
     /// Rows deleted per transaction.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -39,31 +39,19 @@ pub(crate) struct CleanupArgs {
     markers: Option<String>,
     /// Delete the consumer's markers committed longer ago than this. Refused unless it is at least
     /// `--max-redelivery` + `--dead-letter-retention`.
-    #[arg(long, value_parser = parse_age, requires = "markers")]
+    #[arg(long, value_parser = duration::parse, requires = "markers")]
     markers_older_than: Option<Duration>,
     /// The longest time after a first delivery that the broker may deliver a message again
     /// (visibility / idle / session timeouts, retries).
-    #[arg(long, value_parser = parse_age, requires = "markers")]
+    #[arg(long, value_parser = duration::parse, requires = "markers")]
     max_redelivery: Option<Duration>,
     /// How long the consumer's dead-letter queue keeps messages that may be replayed (`0s` if
     /// there is none).
-    #[arg(long, value_parser = parse_age, requires = "markers")]
+    #[arg(long, value_parser = duration::parse, requires = "markers")]
     dead_letter_retention: Option<Duration>,
     /// The store holding the consumer's inbox, if it is not `--store`.
     #[arg(long, env = "OUTBOX_INBOX_URL", hide_env_values = true, requires = "markers")]
     inbox: Option<String>,
-}
-
-/// A duration as [`duration::parse`] reads it, or a number of days (`7d`, `1.5d`).
-pub(crate) fn parse_age(text: &str) -> std::result::Result<Duration, String> {
-    let trimmed = text.trim();
-    match trimmed.strip_suffix('d') {
-        Some(days) if !days.is_empty() && days.chars().all(|c| c.is_ascii_digit() || c == '.') => {
-            let value: f64 = days.parse().map_err(|_| format!("{text:?} is not a duration: expected e.g. 7d"))?;
-            Duration::try_from_secs_f64(value * 86_400.0).map_err(|e| format!("{text:?}: {e}"))
-        }
-        _ => duration::parse(trimmed).map_err(|e| format!("{e} (or d for days)")),
-    }
 }
 
 /// `outbox cleanup`.
@@ -78,16 +66,11 @@ pub(crate) async fn run(args: CleanupArgs) -> Result<()> {
         (Some(_), Some(keep), Some(redelivery), Some(dead)) => Some(Retention::new(keep, redelivery, dead)?),
         _ => None,
     };
-    let store = AnyStore::connect(&args.store).await?;
-    store.check_schema().await?;
+    let store = crate::ops::open(&args.store).await?;
     let mut cleanup = Cleanup::new(store.outbox(), config)?;
     if let (Some(consumer), Some(r)) = (&args.markers, retention) {
         let inbox = match &args.inbox {
-            Some(url) => {
-                let other = AnyStore::connect(url).await?;
-                other.check_schema().await?;
-                other.inbox_admin()
-            }
+            Some(url) => crate::ops::open(url).await?.inbox_admin(),
             None => store.inbox_admin(),
         };
         cleanup = cleanup.with_markers(MarkerPruning::new(inbox, consumer.clone(), r.markers(), r.horizon())?);
@@ -129,14 +112,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ages_take_days_too() {
-        assert_eq!(parse_age("7d"), Ok(Duration::from_secs(7 * 86_400)));
-        assert_eq!(parse_age("1.5d"), Ok(Duration::from_secs(129_600)));
-        assert_eq!(parse_age("12h"), Ok(Duration::from_secs(12 * 3600)));
-        assert_eq!(parse_age("0s"), Ok(Duration::ZERO));
-        for bad in ["d", "7", "-1d", "7days", "x d"] {
-            assert!(parse_age(bad).is_err(), "{bad:?}");
-        }
+    fn ages_are_printed_in_their_largest_whole_unit() {
         assert_eq!(human(Duration::from_secs(7 * 86_400)), "7d");
         assert_eq!(human(Duration::from_secs(90)), "90s");
         assert_eq!(human(Duration::from_millis(1500)), "1500ms");

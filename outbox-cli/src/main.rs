@@ -16,6 +16,7 @@ mod cleanup;
 mod conformance;
 mod demo;
 mod duration;
+mod json;
 mod metrics;
 mod ops;
 mod relay;

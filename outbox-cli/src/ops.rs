@@ -152,15 +152,16 @@ pub(crate) async fn migrate(args: StoreArgs) -> Result<()> {
     Ok(())
 }
 
-async fn open(args: &StoreArgs) -> Result<AnyStore> {
-    let store = AnyStore::connect(&args.store).await?;
+/// Connect to the store at `url` and check that its schema is current.
+pub(crate) async fn open(url: &str) -> Result<AnyStore> {
+    let store = AnyStore::connect(url).await?;
     store.check_schema().await?;
     Ok(store)
 }
 
 /// `outbox stats`.
 pub(crate) async fn stats(args: StatsArgs) -> Result<()> {
-    let store = open(&args.store).await?;
+    let store = open(&args.store.store).await?;
     let s = store.outbox().stats().await?;
     println!("pending    {}", s.pending);
     println!("leased     {}", s.leased);
@@ -175,7 +176,7 @@ pub(crate) async fn stats(args: StatsArgs) -> Result<()> {
 
 /// `outbox inspect`.
 pub(crate) async fn inspect(args: InspectArgs) -> Result<()> {
-    let store = open(&args.store).await?;
+    let store = open(&args.store.store).await?;
     let outbox = store.outbox();
     let mut shown = Vec::new();
     let mut after = args.after;
@@ -227,7 +228,7 @@ fn print_row(r: &RowSnapshot) {
 pub(crate) async fn parked(cmd: ParkedCommand) -> Result<()> {
     match cmd {
         ParkedCommand::List { store, limit } => {
-            let store = open(&store).await?;
+            let store = open(&store.store).await?;
             let rows = store.outbox().list_parked(limit).await?;
             println!(
                 "{:>10}  {:<24}  {:<16}  {:>8}  {:<20}  reason",
@@ -248,13 +249,13 @@ pub(crate) async fn parked(cmd: ParkedCommand) -> Result<()> {
             Ok(())
         }
         ParkedCommand::Requeue { store, select } => {
-            let store = open(&store).await?;
+            let store = open(&store.store).await?;
             let n = for_parked(&*store.outbox(), &select, ParkedOp::Requeue).await?;
             println!("requeued {n} row(s)");
             Ok(())
         }
         ParkedCommand::Purge { store, select } => {
-            let store = open(&store).await?;
+            let store = open(&store.store).await?;
             let n = for_parked(&*store.outbox(), &select, ParkedOp::Purge).await?;
             println!("purged {n} row(s)");
             Ok(())
@@ -398,7 +399,7 @@ pub(crate) async fn dead_letters(cmd: DeadLetterCommand) -> Result<()> {
 async fn letters(args: &InboxArgs) -> Result<(AnyStore, Vec<DeadLetter>)> {
     outbox::ConsumerGroup::new(args.consumer.clone())
         .map_err(|e| Error::invalid_input("dead-letters", format!("--consumer: {}", e.message())))?;
-    let store = open(&StoreArgs { store: args.inbox.clone() }).await?;
+    let store = open(&args.inbox).await?;
     let letters = store.inbox_admin().dead_letters(&args.consumer).await?;
     Ok((store, letters))
 }

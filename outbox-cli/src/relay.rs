@@ -62,7 +62,7 @@ pub(crate) struct RelayArgs {
     migrate: bool,
     /// Run retention beside the relay: delete rows published longer ago than this (`7d`, `12h`,
     /// `60s`), in bounded batches, every `--retain-interval`. Off by default.
-    #[arg(long, value_parser = crate::cleanup::parse_age)]
+    #[arg(long, value_parser = duration::parse)]
     retain_published: Option<Duration>,
     /// Time between two retention rounds (with `--retain-published`).
     #[arg(long, default_value = "1m", value_parser = duration::parse, requires = "retain_published")]

@@ -503,18 +503,24 @@ pub async fn publish_batch_by_lanes<B: Broker + ?Sized>(
     concurrency: usize,
 ) -> Vec<Result<()>> {
     use futures::StreamExt;
-    use std::collections::BTreeMap;
-    let mut lanes: BTreeMap<(bool, &str, usize), Vec<usize>> = BTreeMap::new();
-    let mut first_of_key: BTreeMap<&str, usize> = BTreeMap::new();
+    use std::collections::HashMap;
+    // Lanes in the order of their first event, so the oldest rows start first.
+    let mut lanes: Vec<Vec<usize>> = Vec::new();
+    let mut lane_of_key: HashMap<&str, usize> = HashMap::new();
     for (i, e) in events.iter().enumerate() {
-        let lane = match e.key.as_deref() {
-            Some(k) => (true, k, *first_of_key.entry(k).or_insert(i)),
-            None => (false, "", i),
-        };
-        lanes.entry(lane).or_default().push(i);
+        match e.key.as_deref() {
+            Some(k) => {
+                let lane = *lane_of_key.entry(k).or_insert_with(|| {
+                    lanes.push(Vec::new());
+                    lanes.len() - 1
+                });
+                lanes[lane].push(i);
+            }
+            None => lanes.push(vec![i]),
+        }
     }
     let mut out: Vec<Option<Result<()>>> = (0..events.len()).map(|_| None).collect();
-    let done: Vec<Vec<(usize, Result<()>)>> = futures::stream::iter(lanes.into_values().map(|lane| async move {
+    let done: Vec<Vec<(usize, Result<()>)>> = futures::stream::iter(lanes.into_iter().map(|lane| async move {
         let mut results = Vec::with_capacity(lane.len());
         let mut failed: Option<String> = None;
         for i in lane {

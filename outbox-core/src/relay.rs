@@ -298,6 +298,39 @@ struct Counters {
     refused: AtomicU64,
 }
 
+/// The relay's `metrics` handles, registered once with the recorder current when the relay is
+/// built (not per batch: a registration looks the key up in the recorder and allocates the
+/// owner label).
+struct Meters {
+    claimed: metrics::Counter,
+    published: metrics::Counter,
+    fenced: metrics::Counter,
+    retried: metrics::Counter,
+    parked: metrics::Counter,
+    released: metrics::Counter,
+    refused: metrics::Counter,
+    publish_seconds: metrics::Histogram,
+    batch_seconds: metrics::Histogram,
+}
+
+impl Meters {
+    fn new(owner: &str) -> Self {
+        let counter = |name: &'static str| metrics::counter!(name, OWNER => owner.to_owned());
+        let histogram = |name: &'static str| metrics::histogram!(name, OWNER => owner.to_owned());
+        Self {
+            claimed: counter(CLAIMED),
+            published: counter(PUBLISHED),
+            fenced: counter(FENCED),
+            retried: counter(RETRIED),
+            parked: counter(PARKED),
+            released: counter(RELEASED),
+            refused: counter(REFUSED),
+            publish_seconds: histogram(PUBLISH_SECONDS),
+            batch_seconds: histogram(BATCH_SECONDS),
+        }
+    }
+}
+
 /// Stops a relay gracefully: no new claims, publishes already started finish, rows not sent
 /// (the rest of a batch under the default [`Broker::publish_batch`], batches claimed but not yet
 /// handed to the broker) are released, and every outcome is recorded.
@@ -316,7 +349,8 @@ impl Shutdown {
         self.0.0.load(Ordering::SeqCst)
     }
 
-    async fn wait(&self) {
+    /// Resolves once stop was asked (at once if it already was).
+    pub(crate) async fn wait(&self) {
         let notified = self.0.1.notified();
         if self.is_triggered() {
             return;
@@ -329,12 +363,14 @@ impl Shutdown {
 ///
 /// Claim, publish and complete run as a pipeline of up to [`RelayConfig::pipeline_depth`]
 /// batches (see the [module docs](self)). Counts go to [`totals`](Relay::totals) and to the
-/// `metrics` facade (`outbox_relay_*`, labelled with the owner; the crate README lists them).
+/// `metrics` facade (`outbox_relay_*`, labelled with the owner; the crate README lists them),
+/// through handles registered in [`Relay::new`] with the recorder current then.
 pub struct Relay {
     store: Arc<dyn OutboxStore>,
     broker: Arc<dyn Broker>,
     config: RelayConfig,
     counters: Counters,
+    meters: Meters,
     rng: Mutex<SplitMix64>,
     shutdown: Shutdown,
 }
@@ -415,11 +451,13 @@ impl Relay {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(0x5eed)
         });
+        let meters = Meters::new(&config.owner);
         Self {
             store,
             broker,
             config,
             counters: Counters::default(),
+            meters,
             rng: Mutex::new(SplitMix64::new(seed)),
             shutdown: Shutdown::default(),
         }
@@ -604,7 +642,7 @@ impl Relay {
                 batches += 1;
                 let n = rows.len() as u64;
                 self.counters.claimed.fetch_add(n, Ordering::Relaxed);
-                metrics::counter!(CLAIMED, OWNER => self.config.owner.clone()).increment(n);
+                self.meters.claimed.increment(n);
                 if to_publish.send((Batch { rows, span, started }, slot)).await.is_err() {
                     return Stop::Idle; // the publish stage is gone: cannot happen while joined
                 }
@@ -675,7 +713,7 @@ impl Relay {
         let spans: Vec<Span> = events.iter().map(crate::telemetry::publish_span).collect();
         let t = Instant::now();
         let results = STOPPING.scope(self.shutdown.clone(), self.broker.publish_batch(&events)).await;
-        metrics::histogram!(PUBLISH_SECONDS, OWNER => self.config.owner.clone()).record(t.elapsed().as_secs_f64());
+        self.meters.publish_seconds.record(t.elapsed());
         if results.len() != events.len() {
             error!(
                 target: "outbox.relay",
@@ -781,28 +819,22 @@ impl Relay {
 
     /// Add a settled batch to the totals, the metrics and the log.
     fn record(&self, report: &BatchReport, started: Instant) {
-        let c = &self.counters;
-        c.published.fetch_add(report.published, Ordering::Relaxed);
-        c.fenced.fetch_add(report.fenced, Ordering::Relaxed);
-        c.retried.fetch_add(report.retried, Ordering::Relaxed);
-        c.parked.fetch_add(report.parked, Ordering::Relaxed);
-        c.released.fetch_add(report.released, Ordering::Relaxed);
-        c.refused.fetch_add(report.refused, Ordering::Relaxed);
-        let owner = &self.config.owner;
-        for (name, n) in [
-            (PUBLISHED, report.published),
-            (FENCED, report.fenced),
-            (RETRIED, report.retried),
-            (PARKED, report.parked),
-            (RELEASED, report.released),
-            (REFUSED, report.refused),
+        let (c, m) = (&self.counters, &self.meters);
+        for (total, meter, n) in [
+            (&c.published, &m.published, report.published),
+            (&c.fenced, &m.fenced, report.fenced),
+            (&c.retried, &m.retried, report.retried),
+            (&c.parked, &m.parked, report.parked),
+            (&c.released, &m.released, report.released),
+            (&c.refused, &m.refused, report.refused),
         ] {
-            metrics::counter!(name, OWNER => owner.clone()).increment(n);
+            total.fetch_add(n, Ordering::Relaxed);
+            meter.increment(n);
         }
-        metrics::histogram!(BATCH_SECONDS, OWNER => owner.clone()).record(started.elapsed().as_secs_f64());
+        m.batch_seconds.record(started.elapsed());
         tracing::info!(
             target: "outbox.relay",
-            owner = %owner,
+            owner = %self.config.owner,
             claimed = report.claimed,
             published = report.published,
             fenced = report.fenced,

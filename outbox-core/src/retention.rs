@@ -29,9 +29,6 @@ use crate::store::OutboxAdmin;
 
 const WHO: &str = "retention";
 
-/// Longest single wait between two looks at the shutdown handle.
-const SHUTDOWN_CHECK: Duration = Duration::from_millis(50);
-
 /// Settings of a [`Cleanup`].
 ///
 /// `#[non_exhaustive]`: build it with [`CleanupConfig::new`] and the `with_*` setters.
@@ -345,15 +342,8 @@ async fn wait(d: Duration, shutdown: Option<&Shutdown>) -> bool {
         tokio::time::sleep(d).await;
         return false;
     };
-    let deadline = tokio::time::Instant::now() + d;
-    loop {
-        if shutdown.is_triggered() {
-            return true;
-        }
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
-            return false;
-        }
-        tokio::time::sleep((deadline - now).min(SHUTDOWN_CHECK)).await;
+    tokio::select! {
+        () = shutdown.wait() => true,
+        () = tokio::time::sleep(d) => shutdown.is_triggered(),
     }
 }

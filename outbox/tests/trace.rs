@@ -144,10 +144,13 @@ async fn story(broker_name: &str) {
     let mut handled = Vec::new();
     while !handled.contains(&Handled::Applied) {
         assert!(start.elapsed() < DEADLINE, "{label}: only {handled:?} within {DEADLINE:?}");
-        let batch = consumer
+        // Bounded: an adapter whose receive ignored its wait would otherwise hang the drain.
+        let drain = consumer
             .drain(&mut *subscription, Duration::from_millis(500))
-            .instrument(tracing::info_span!("consumer.loop"))
+            .instrument(tracing::info_span!("consumer.loop"));
+        let batch = tokio::time::timeout(DEADLINE, drain)
             .await
+            .unwrap_or_else(|_| panic!("{label}: a drain did not end within {DEADLINE:?}"))
             .unwrap();
         handled.extend(batch);
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use outbox_core::Result;
 
 use crate::error::ResultExt;
-use crate::store::{SqliteStore, write_tx};
+use crate::store::{SqliteStore, to_sql_limit, write_tx};
 
 const PURGE: &str = "DELETE FROM outbox_rows WHERE row_id IN (
     SELECT row_id FROM outbox_rows
@@ -27,7 +27,7 @@ pub(crate) async fn purge_published(store: &SqliteStore, older_than: Duration, l
     if limit == 0 {
         return Ok(0);
     }
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let limit = to_sql_limit(limit);
     let age = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
     let clock = Arc::clone(store.clock());
     store

@@ -359,7 +359,7 @@ pub(crate) fn write_tx<T>(
     Ok(out)
 }
 
-fn to_sql_limit(limit: usize) -> i64 {
+pub(crate) fn to_sql_limit(limit: usize) -> i64 {
     i64::try_from(limit).unwrap_or(i64::MAX)
 }
 
@@ -472,6 +472,53 @@ impl StoredRow {
     }
 }
 
+/// The two statements of [`claimable_ids`] for one [`ParkedHead`]: `$blocks` is what makes a row of the chain
+/// block its key besides backing off or a live lease, `$chain` what leaves a row out of the
+/// chain. The probes' table has no alias, so both apply to it as they are. `event_key IS NOT
+/// NULL` lets the partial index `outbox_rows_key_open` serve every probe.
+macro_rules! key_order_sql {
+    ($blocks:literal, $chain:literal) => {
+        (
+            concat!(
+                "SELECT o.row_id, o.event_key FROM outbox_rows o
+     WHERE o.published_token IS NULL AND o.parked_at IS NULL
+       AND o.available_at <= ?1 AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= ?1)
+       AND (o.event_key IS NULL OR (
+           COALESCE((SELECT ",
+                $blocks,
+                "available_at > ?1 OR COALESCE(lease_expires_at > ?1, 0)
+                     FROM outbox_rows
+                     WHERE event_key = o.event_key AND event_key IS NOT NULL AND published_token IS NULL",
+                $chain,
+                "
+                     ORDER BY row_id LIMIT 1), 0) = 0
+           AND COALESCE((SELECT ",
+                $blocks,
+                "available_at > ?1 OR COALESCE(lease_expires_at > ?1, 0)
+                     FROM outbox_rows
+                     WHERE event_key = o.event_key AND event_key IS NOT NULL AND published_token IS NULL",
+                $chain,
+                " AND row_id < o.row_id
+                     ORDER BY row_id DESC LIMIT 1), 0) = 0))
+     ORDER BY o.row_id LIMIT ?2"
+            ),
+            concat!(
+                "SELECT row_id FROM outbox_rows
+     WHERE event_key = ?1 AND event_key IS NOT NULL AND published_token IS NULL",
+                $chain,
+                " ORDER BY row_id LIMIT ?2"
+            ),
+        )
+    };
+}
+/// The candidates statement and the chain statement of [`claimable_ids`] under `parked_head`.
+fn key_order_sql(parked_head: ParkedHead) -> (&'static str, &'static str) {
+    match parked_head {
+        ParkedHead::Block => key_order_sql!("parked_at IS NOT NULL OR ", ""),
+        ParkedHead::Skip => key_order_sql!("", " AND parked_at IS NULL"),
+    }
+}
+
 /// The rows a claim at `now` takes, at most `limit`, in row order, under key order (see
 /// [`OutboxStore::claim`]). Runs inside the claim's `BEGIN IMMEDIATE` transaction, so nothing
 /// changes between its two steps:
@@ -485,45 +532,8 @@ impl StoredRow {
 ///
 /// Under [`ParkedHead::Skip`] parked rows are left out of a key's chain; under `Block` they block.
 fn claimable_ids(tx: &Transaction<'_>, parked_head: ParkedHead, now: Timestamp, limit: i64) -> Result<Vec<i64>> {
-    const BLOCK: &str = "SELECT o.row_id, o.event_key FROM outbox_rows o
-         WHERE o.published_token IS NULL AND o.parked_at IS NULL
-           AND o.available_at <= ?1 AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= ?1)
-           AND (o.event_key IS NULL OR (
-               COALESCE((SELECT h.parked_at IS NOT NULL OR h.available_at > ?1 OR COALESCE(h.lease_expires_at > ?1, 0)
-                         FROM outbox_rows h
-                         WHERE h.event_key = o.event_key AND h.event_key IS NOT NULL AND h.published_token IS NULL
-                         ORDER BY h.row_id LIMIT 1), 0) = 0
-               AND COALESCE((SELECT p.parked_at IS NOT NULL OR p.available_at > ?1 OR COALESCE(p.lease_expires_at > ?1, 0)
-                         FROM outbox_rows p
-                         WHERE p.event_key = o.event_key AND p.event_key IS NOT NULL AND p.published_token IS NULL
-                           AND p.row_id < o.row_id
-                         ORDER BY p.row_id DESC LIMIT 1), 0) = 0))
-         ORDER BY o.row_id LIMIT ?2";
-    const SKIP: &str = "SELECT o.row_id, o.event_key FROM outbox_rows o
-         WHERE o.published_token IS NULL AND o.parked_at IS NULL
-           AND o.available_at <= ?1 AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= ?1)
-           AND (o.event_key IS NULL OR (
-               COALESCE((SELECT h.available_at > ?1 OR COALESCE(h.lease_expires_at > ?1, 0)
-                         FROM outbox_rows h
-                         WHERE h.event_key = o.event_key AND h.event_key IS NOT NULL AND h.published_token IS NULL
-                           AND h.parked_at IS NULL
-                         ORDER BY h.row_id LIMIT 1), 0) = 0
-               AND COALESCE((SELECT p.available_at > ?1 OR COALESCE(p.lease_expires_at > ?1, 0)
-                         FROM outbox_rows p
-                         WHERE p.event_key = o.event_key AND p.event_key IS NOT NULL AND p.published_token IS NULL
-                           AND p.parked_at IS NULL AND p.row_id < o.row_id
-                         ORDER BY p.row_id DESC LIMIT 1), 0) = 0))
-         ORDER BY o.row_id LIMIT ?2";
-    const CHAIN_BLOCK: &str = "SELECT row_id FROM outbox_rows
-         WHERE event_key = ?1 AND event_key IS NOT NULL AND published_token IS NULL ORDER BY row_id LIMIT ?2";
-    const CHAIN_SKIP: &str = "SELECT row_id FROM outbox_rows
-         WHERE event_key = ?1 AND event_key IS NOT NULL AND published_token IS NULL AND parked_at IS NULL
-         ORDER BY row_id LIMIT ?2";
     let what = "claim";
-    let (candidates_sql, chain_sql) = match parked_head {
-        ParkedHead::Block => (BLOCK, CHAIN_BLOCK),
-        ParkedHead::Skip => (SKIP, CHAIN_SKIP),
-    };
+    let (candidates_sql, chain_sql) = key_order_sql(parked_head);
     let candidates: Vec<(i64, Option<String>)> = tx
         .prepare_cached(candidates_sql)
         .ctx(what)?
@@ -537,6 +547,10 @@ fn claimable_ids(tx: &Transaction<'_>, parked_head: ParkedHead, now: Timestamp, 
             by_key.entry(k.as_str()).or_default().push(*id);
         }
     }
+    if by_key.is_empty() {
+        // No key in the batch: nothing to check, no second statement.
+        return Ok(candidates.into_iter().map(|(id, _)| id).collect());
+    }
     let mut dropped = std::collections::HashSet::new();
     let mut chain = tx.prepare_cached(chain_sql).ctx(what)?;
     for (key, ids) in &by_key {
@@ -547,6 +561,21 @@ fn claimable_ids(tx: &Transaction<'_>, parked_head: ParkedHead, now: Timestamp, 
         dropped.extend(ids[prefix..].iter().copied());
     }
     Ok(candidates.into_iter().map(|(id, _)| id).filter(|id| !dropped.contains(id)).collect())
+}
+
+/// `ids` as a JSON array, the one parameter `json_each` expands into the claim's `IN` list.
+fn json_array(ids: &[i64]) -> String {
+    use std::fmt::Write as _;
+    let mut json = String::with_capacity(2 + ids.len() * 8);
+    json.push('[');
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            json.push(',');
+        }
+        let _ = write!(json, "{id}");
+    }
+    json.push(']');
+    json
 }
 
 fn query_rows(conn: &Connection, what: &str, sql: &str, params: impl rusqlite::Params) -> Result<Vec<StoredRow>> {
@@ -598,7 +627,7 @@ impl OutboxStore for SqliteStore {
                     if ids.is_empty() {
                         return Ok(Vec::new());
                     }
-                    let ids = format!("[{}]", ids.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
+                    let ids = json_array(&ids);
                     let mut rows = query_rows(
                         tx,
                         "claim",
@@ -853,5 +882,39 @@ impl OutboxAdmin for SqliteStore {
     /// `outbox_rows_published` index; see the crate's "Retention".
     async fn purge_published(&self, older_than: Duration, limit: usize) -> Result<u64> {
         crate::retention::purge_published(self, older_than, limit).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_core::{ParkedHead, Timestamp};
+
+    /// Every probe of the key order is a search of `outbox_rows_key_open`, under both
+    /// [`ParkedHead`] settings: no statement of the claim walks a key's rows or the table.
+    #[test]
+    fn the_key_order_probes_search_the_key_index() {
+        let mut conn = rusqlite::Connection::open_in_memory().unwrap();
+        crate::schema::migrate(&mut conn, Timestamp(0)).unwrap();
+        for parked_head in [ParkedHead::Block, ParkedHead::Skip] {
+            let (candidates, chain) = super::key_order_sql(parked_head);
+            for (sql, probes) in [(candidates, 2), (chain, 1)] {
+                let plan: Vec<String> = conn
+                    .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                    .unwrap()
+                    .query_map((0, 10), |r| r.get::<_, String>(3))
+                    .unwrap()
+                    .collect::<Result<_, _>>()
+                    .unwrap();
+                let searches = plan
+                    .iter()
+                    .filter(|p| p.starts_with("SEARCH outbox_rows USING") && p.contains("outbox_rows_key_open"))
+                    .count();
+                assert_eq!(searches, probes, "{parked_head:?}: {plan:#?}");
+                assert!(
+                    !plan.iter().any(|p| p.starts_with("SCAN outbox_rows ") || p.as_str() == "SCAN outbox_rows"),
+                    "{parked_head:?}: {plan:#?}"
+                );
+            }
+        }
     }
 }

@@ -8,8 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_consumer_inbox::{Consumer, Handler};
 use outbox_core::memory::MemoryBroker;
-use outbox_core::{Acknowledge, Broker, ConsumerGroup, Delivery, Destination, Event, Received, Result, Subscription};
+use outbox_core::{
+    Acknowledge, Broker, ConsumerGroup, Delivery, Destination, Event, Inbox, Received, Result, Shutdown, Subscription,
+};
 
 /// Longest any wait in these tests may take before it fails the test.
 pub const BOUND: Duration = Duration::from_secs(10);
@@ -151,4 +154,46 @@ where
     })
     .await;
     assert!(waited.is_ok(), "not within {BOUND:?}: {what}");
+}
+
+/// [`Consumer::run`] on a new subscription of a broker, in a task of its own, until
+/// [`stop`](Running::stop).
+pub struct Running {
+    shutdown: Shutdown,
+    task: tokio::task::JoinHandle<Box<dyn Subscription>>,
+}
+
+impl Running {
+    /// Subscribe `consumer` to [`dest`] as [`group`] on `broker` and run it.
+    pub async fn start<I: Inbox, H: Handler<I> + 'static>(consumer: &Consumer<I, H>, broker: &MemoryBroker) -> Self {
+        let shutdown = Shutdown::default();
+        let mut sub = broker.subscribe(&dest(), &group()).await.unwrap();
+        let task = tokio::spawn({
+            let (consumer, shutdown) = (consumer.clone(), shutdown.clone());
+            async move {
+                consumer.run(sub.as_mut(), &shutdown).await.unwrap();
+                sub
+            }
+        });
+        Self { shutdown, task }
+    }
+
+    /// Wait (bounded) until `n` deliveries are inside the handler measured by `gauge`.
+    pub async fn wait_inside(&self, gauge: &Gauge, n: usize, what: &str) {
+        wait_until(what, || {
+            let g = gauge.clone();
+            async move { g.now() == n }
+        })
+        .await;
+    }
+
+    /// Trigger the shutdown; `run` then lets its running deliveries finish within the grace.
+    pub fn trigger(&self) {
+        self.shutdown.trigger();
+    }
+
+    /// Wait (bounded by [`BOUND`]) for `run` to return; its subscription is handed back.
+    pub async fn stopped(self, what: &str) -> Box<dyn Subscription> {
+        tokio::time::timeout(BOUND, self.task).await.expect(what).unwrap()
+    }
 }

@@ -299,7 +299,7 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
         started.elapsed()
     );
     if let Some(path) = &args.json {
-        let json = report::Json::Obj(vec![
+        let json = report::Json::obj(vec![
             ("seed", report::Json::Num(i128::from(seed))),
             ("profile", report::Json::Str(profile.into())),
             ("passed", report::Json::Bool(passed && !errored)),

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::procs::FleetStats;
 use super::schedule::{Family, FamilyPlan};
 use super::site::RowTimes;
+pub(crate) use crate::json::Json;
 
 /// One fault as it happened.
 #[derive(Debug, Clone)]
@@ -473,77 +474,6 @@ pub(crate) fn windows(r: &ComboReport) -> String {
     out
 }
 
-// ---------------------------------------------------------------------------------------------
-// JSON, written by hand: a handful of numbers and strings needs no serializer.
-
-/// A JSON value.
-pub(crate) enum Json {
-    Null,
-    Bool(bool),
-    Num(i128),
-    Float(f64),
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(Vec<(&'static str, Json)>),
-}
-
-impl Json {
-    fn write(&self, out: &mut String, indent: usize) {
-        let pad = |n: usize| "  ".repeat(n);
-        match self {
-            Json::Null => out.push_str("null"),
-            Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-            Json::Num(n) => out.push_str(&n.to_string()),
-            Json::Float(x) if x.is_finite() => out.push_str(&format!("{x:.3}")),
-            Json::Float(_) => out.push_str("null"),
-            Json::Str(s) => {
-                out.push('"');
-                for c in s.chars() {
-                    match c {
-                        '"' => out.push_str("\\\""),
-                        '\\' => out.push_str("\\\\"),
-                        '\n' => out.push_str("\\n"),
-                        c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-                        c => out.push(c),
-                    }
-                }
-                out.push('"');
-            }
-            Json::Arr(items) if items.is_empty() => out.push_str("[]"),
-            Json::Arr(items) => {
-                out.push_str("[\n");
-                for (i, v) in items.iter().enumerate() {
-                    out.push_str(&pad(indent + 1));
-                    v.write(out, indent + 1);
-                    out.push_str(if i + 1 < items.len() { ",\n" } else { "\n" });
-                }
-                out.push_str(&pad(indent));
-                out.push(']');
-            }
-            Json::Obj(fields) => {
-                out.push_str("{\n");
-                for (i, (k, v)) in fields.iter().enumerate() {
-                    out.push_str(&pad(indent + 1));
-                    Json::Str((*k).to_string()).write(out, indent + 1);
-                    out.push_str(": ");
-                    v.write(out, indent + 1);
-                    out.push_str(if i + 1 < fields.len() { ",\n" } else { "\n" });
-                }
-                out.push_str(&pad(indent));
-                out.push('}');
-            }
-        }
-    }
-
-    /// Pretty-printed text.
-    pub(crate) fn render(&self) -> String {
-        let mut s = String::new();
-        self.write(&mut s, 0);
-        s.push('\n');
-        s
-    }
-}
-
 fn n(v: u64) -> Json {
     Json::Num(i128::from(v))
 }
@@ -564,7 +494,7 @@ fn opt_s(v: Option<&String>) -> Json {
 pub(crate) fn combo_json(r: &ComboReport) -> Json {
     let g = &r.figures;
     let b = &r.bad;
-    Json::Obj(vec![
+    Json::obj(vec![
         ("name", s(r.name.clone())),
         ("seed", Json::Num(i128::from(r.seed))),
         ("schedule", s(r.schedule.clone())),
@@ -577,7 +507,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
         ("purged_by_retention", n(r.purged)),
         (
             "figures",
-            Json::Obj(vec![
+            Json::obj(vec![
                 ("orders", n(g.orders)),
                 ("rows", n(g.rows)),
                 ("published", n(g.published)),
@@ -607,7 +537,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
                 r.families
                     .iter()
                     .map(|f| {
-                        Json::Obj(vec![
+                        Json::obj(vec![
                             ("family", s(f.family.name())),
                             ("faults", n(f.faults)),
                             ("minimum", n(u64::from(f.minimum))),
@@ -624,10 +554,10 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
         ),
         (
             "bad_input",
-            Json::Obj(vec![
+            Json::obj(vec![
                 (
                     "poison",
-                    Json::Obj(vec![
+                    Json::obj(vec![
                         ("event_id", s(b.poison_id.clone())),
                         ("dead_letter_reason", opt_s(b.poison_dead_letter.as_ref().map(|p| &p.0))),
                         ("dead_letter_error", opt_s(b.poison_dead_letter.as_ref().map(|p| &p.1))),
@@ -635,7 +565,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
                 ),
                 (
                     "foreign",
-                    Json::Obj(vec![
+                    Json::obj(vec![
                         ("written", Json::Bool(b.foreign_written)),
                         ("offered_to_audit", n(b.foreign_offers)),
                         ("malformed_dead_letters", n(b.foreign_dead_letters)),
@@ -644,7 +574,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
                 ),
                 (
                     "oversized",
-                    Json::Obj(vec![
+                    Json::obj(vec![
                         ("event_id", s(b.oversized_id.clone())),
                         ("enqueue_error_kind", opt_s(b.oversized_refused.as_ref().map(|p| &p.0))),
                         ("enqueue_error", opt_s(b.oversized_refused.as_ref().map(|p| &p.1))),
@@ -658,7 +588,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
         ),
         (
             "processes",
-            Json::Obj(vec![
+            Json::obj(vec![
                 ("started", n(r.fleet.started)),
                 ("relay_exits", n(r.fleet.relay_exits)),
                 ("consumer_exits", n(r.fleet.consumer_exits)),
@@ -666,7 +596,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
         ),
         (
             "producers",
-            Json::Obj(vec![
+            Json::obj(vec![
                 ("committed", n(r.producers.committed)),
                 ("retries", n(r.producers.retries)),
                 ("unknown_outcome_committed", n(r.producers.unknown_committed)),
@@ -678,7 +608,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
                 r.faults
                     .iter()
                     .map(|f| {
-                        Json::Obj(vec![
+                        Json::obj(vec![
                             ("family", s(f.family.name())),
                             ("at_ms", Json::Num(i128::from(f.at_ms))),
                             ("offset_ms", Json::Num(f.offset.as_millis() as i128)),
@@ -695,7 +625,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
                 r.windows
                     .iter()
                     .map(|w| {
-                        Json::Obj(vec![
+                        Json::obj(vec![
                             ("index", n(u64::from(w.index))),
                             ("length_ms", Json::Num(w.length.as_millis() as i128)),
                             ("committed", n(w.committed)),

@@ -190,7 +190,10 @@ impl OutboxStore for MemoryOutbox {
                 continue;
             }
             let key_closed = row.event.key.as_ref().is_some_and(|k| closed.contains(k));
-            if key_closed || !row.claimable(now) {
+            if key_closed {
+                continue;
+            }
+            if !row.claimable(now) {
                 if let Some(k) = &row.event.key {
                     closed.insert(k.clone());
                 }

@@ -30,10 +30,10 @@ use crate::error::{BACKEND, Op, from_lapin};
 /// Most messages awaiting their confirm on one channel.
 const WINDOW: usize = 1024;
 
-/// The events of one channel: indices into the batch, in slice order.
+/// The events of one channel: indices into the batch and their messages, in slice order.
 struct Bucket {
     exchange: String,
-    events: Vec<usize>,
+    events: Vec<(usize, Prepared)>,
 }
 
 impl Inner {
@@ -82,27 +82,37 @@ impl Inner {
         let exchanges: HashSet<&str> = prepared.iter().flatten().map(|p| p.exchange.as_str()).collect();
         let per_exchange = (self.config.publish_channels() / exchanges.len().max(1)).max(1);
         let mut buckets: Vec<Bucket> = Vec::new();
-        let mut bucket_of: HashMap<(&str, usize), usize> = HashMap::new();
-        let mut lanes_of_exchange: HashMap<&str, usize> = HashMap::new();
-        let mut slot_of_lane: HashMap<(&str, usize), usize> = HashMap::new();
-        for (i, p) in prepared.iter().enumerate() {
-            let Some(p) = p else { continue };
-            let exchange = p.exchange.as_str();
-            let slot = *slot_of_lane.entry((exchange, lanes[i])).or_insert_with(|| {
-                let n = lanes_of_exchange.entry(exchange).or_default();
-                *n += 1;
-                (*n - 1) % per_exchange
-            });
-            let b = *bucket_of.entry((exchange, slot)).or_insert_with(|| {
-                buckets.push(Bucket { exchange: exchange.to_string(), events: Vec::new() });
-                buckets.len() - 1
-            });
-            buckets[b].events.push(i);
+        let mut bucket_of_event: Vec<usize> = Vec::with_capacity(events.len());
+        {
+            let mut bucket_of: HashMap<(&str, usize), usize> = HashMap::new();
+            let mut lanes_of_exchange: HashMap<&str, usize> = HashMap::new();
+            let mut slot_of_lane: HashMap<(&str, usize), usize> = HashMap::new();
+            for (i, p) in prepared.iter().enumerate() {
+                let Some(p) = p else {
+                    bucket_of_event.push(usize::MAX);
+                    continue;
+                };
+                let exchange = p.exchange.as_str();
+                let slot = *slot_of_lane.entry((exchange, lanes[i])).or_insert_with(|| {
+                    let n = lanes_of_exchange.entry(exchange).or_default();
+                    *n += 1;
+                    (*n - 1) % per_exchange
+                });
+                bucket_of_event.push(*bucket_of.entry((exchange, slot)).or_insert_with(|| {
+                    buckets.push(Bucket { exchange: exchange.to_string(), events: Vec::new() });
+                    buckets.len() - 1
+                }));
+            }
         }
-        let done = futures::future::join_all(
-            buckets.iter().map(|bucket| self.publish_bucket(events, &prepared, &lanes, bucket)),
-        )
-        .await;
+        // Each message moves into its bucket: sent as prepared, never copied.
+        for (i, p) in prepared.into_iter().enumerate() {
+            if let Some(p) = p {
+                buckets[bucket_of_event[i]].events.push((i, p));
+            }
+        }
+        let done =
+            futures::future::join_all(buckets.into_iter().map(|bucket| self.publish_bucket(events, &lanes, bucket)))
+                .await;
         for (i, r) in done.into_iter().flatten() {
             out[i] = Some(r);
         }
@@ -127,36 +137,28 @@ impl Inner {
 
     /// Publish the events of one bucket on one channel, window after window; a window ends
     /// early before an event id it already holds.
-    async fn publish_bucket(
-        &self,
-        events: &[Event],
-        prepared: &[Option<Prepared>],
-        lanes: &[usize],
-        bucket: &Bucket,
-    ) -> Vec<(usize, Result<()>)> {
+    async fn publish_bucket(&self, events: &[Event], lanes: &[usize], bucket: Bucket) -> Vec<(usize, Result<()>)> {
         let mut results = Vec::with_capacity(bucket.events.len());
         let mut failed: HashMap<usize, String> = HashMap::new();
-        let mut rest = bucket.events.as_slice();
-        while !rest.is_empty() {
+        let mut rest = bucket.events.into_iter().peekable();
+        while rest.peek().is_some() {
             let mut ids = HashSet::new();
             let mut window = Vec::new();
-            let mut taken = 0;
-            for &i in rest {
-                if window.len() == WINDOW || !ids.insert(events[i].id.as_str()) {
+            while let Some((i, _)) = rest.peek() {
+                if window.len() == WINDOW || !ids.insert(events[*i].id.as_str()) {
                     break;
                 }
-                taken += 1;
+                let Some((i, p)) = rest.next() else { break };
                 if let Some(first) = failed.get(&lanes[i]) {
                     results.push((i, Err(skipped(BACKEND, first))));
                 } else {
-                    window.push(i);
+                    window.push((i, p));
                 }
             }
-            rest = &rest[taken..];
             if window.is_empty() {
                 continue;
             }
-            for (i, r) in self.publish_window(events, prepared, &bucket.exchange, &window).await {
+            for (i, r) in self.publish_window(events, &bucket.exchange, window).await {
                 if r.is_err() {
                     failed.entry(lanes[i]).or_insert_with(|| events[i].id.to_string());
                 }
@@ -170,11 +172,10 @@ impl Inner {
     async fn publish_window(
         &self,
         events: &[Event],
-        prepared: &[Option<Prepared>],
         exchange: &str,
-        window: &[usize],
+        window: Vec<(usize, Prepared)>,
     ) -> Vec<(usize, Result<()>)> {
-        let all = |e: Error| window.iter().map(|&i| (i, Err(e.clone()))).collect::<Vec<_>>();
+        let all = |e: Error| window.iter().map(|(i, _)| (*i, Err(e.clone()))).collect::<Vec<_>>();
         let Ok(_permit) = self.window.acquire().await else {
             return all(Error::transient(ErrorKind::Closed, BACKEND, "the broker was closed"));
         };
@@ -183,47 +184,46 @@ impl Inner {
             Err(e) => return all(e),
         };
         let mut confirms = Vec::with_capacity(window.len());
+        // Index and routing key of each message sent, in the order of `confirms`.
+        let mut sent: Vec<(usize, String)> = Vec::with_capacity(window.len());
         let mut results: Vec<(usize, Result<()>)> = Vec::new();
         let mut trusted = true;
         let mut unsent: Vec<usize> = Vec::new();
         let mut unsent_error: Option<Error> = None;
-        for &i in window {
+        let mut window = window.into_iter();
+        while let Some((i, p)) = window.next() {
             let event = &events[i];
-            let Some(p) = &prepared[i] else { continue };
             match channel
                 .basic_publish(
-                    p.exchange.as_str().into(),
+                    exchange.into(),
                     p.routing_key.as_str().into(),
                     BasicPublishOptions { mandatory: true, immediate: false },
                     &event.payload,
-                    p.properties.clone(),
+                    p.properties,
                 )
                 .await
             {
-                Ok(confirm) => confirms.push((i, confirm)),
+                Ok(confirm) => {
+                    confirms.push(confirm);
+                    sent.push((i, p.routing_key));
+                }
                 Err(e) => {
                     // Nothing of this message reached the server, nor will any later one on this
                     // channel: the rest of the window is not sent.
-                    let sent: HashSet<usize> = confirms.iter().map(|(i, _)| *i).collect();
-                    unsent = window.iter().copied().filter(|j| !sent.contains(j)).collect();
+                    unsent = std::iter::once(i).chain(window.by_ref().map(|(j, _)| j)).collect();
                     unsent_error = Some(from_lapin(e, Op::Publish, &format!("event {} to {exchange}", event.id)));
                     trusted = false;
                     break;
                 }
             }
         }
-        let indices: Vec<usize> = confirms.iter().map(|(i, _)| *i).collect();
-        let waited = tokio::time::timeout(
-            self.config.confirm_timeout(),
-            futures::future::join_all(confirms.into_iter().map(|(_, c)| c)),
-        )
-        .await;
+        let waited = tokio::time::timeout(self.config.confirm_timeout(), futures::future::join_all(confirms)).await;
         let Ok(outcomes) = waited else {
             close(channel);
             if let Some(err) = unsent_error {
                 results.extend(unsent.into_iter().map(|i| (i, Err(err.clone()))));
             }
-            for i in indices {
+            for (i, _) in sent {
                 results.push((
                     i,
                     Err(Error::outcome_unknown(
@@ -265,9 +265,8 @@ impl Inner {
                 Ok(_) => {}
             }
         }
-        for (i, outcome) in indices.into_iter().zip(outcomes) {
+        for ((i, routing_key), outcome) in sent.into_iter().zip(outcomes) {
             let event = &events[i];
-            let routing_key = prepared[i].as_ref().map_or("", |p| p.routing_key.as_str());
             let r = match (returned.get(event.id.as_str()), outcome) {
                 (_, Err(e)) => {
                     let err = from_lapin(e, Op::Confirm, &format!("event {} to {exchange}", event.id));

@@ -53,7 +53,7 @@ pub struct AmqpBroker {
 pub(crate) struct Inner {
     pub(crate) config: AmqpConfig,
     pub(crate) publisher: Slot,
-    consumer: Slot,
+    pub(crate) consumer: Slot,
     idle: Mutex<Vec<Channel>>,
     pub(crate) window: Semaphore,
 }
@@ -131,10 +131,20 @@ impl AmqpBroker {
     pub async fn queue_depth(&self, destination: &Destination, group: &ConsumerGroup) -> Result<u32> {
         let queue = self.inner.config.queue_name(destination, group)?;
         let channel = self.inner.topology_channel().await?;
-        let declared = channel
-            .queue_declare(queue.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, empty())
-            .await
-            .map_err(|e| from_lapin(e, Op::Topology, &format!("queue {queue}")))?;
+        let what = format!("queue {queue}");
+        let declared = self
+            .inner
+            .rpc(
+                &self.inner.publisher,
+                &what,
+                channel.queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions { passive: true, ..Default::default() },
+                    empty(),
+                ),
+                |e| from_lapin(e, Op::Topology, &what),
+            )
+            .await?;
         close(channel);
         Ok(declared.message_count())
     }
@@ -148,17 +158,28 @@ impl AmqpBroker {
         for group in groups {
             let queue = self.inner.config.queue_name(destination, group)?;
             let channel = self.inner.topology_channel().await?;
-            match channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await {
-                Ok(_) => close(channel),
-                Err(e) => return Err(from_lapin(e, Op::Topology, &format!("deleting queue {queue}"))),
-            }
+            let what = format!("deleting queue {queue}");
+            self.inner
+                .rpc(
+                    &self.inner.publisher,
+                    &what,
+                    channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()),
+                    |e| from_lapin(e, Op::Topology, &what),
+                )
+                .await?;
+            close(channel);
         }
         let exchange = self.inner.config.exchange_name(destination)?;
         let channel = self.inner.topology_channel().await?;
-        channel
-            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-            .await
-            .map_err(|e| from_lapin(e, Op::Topology, &format!("deleting exchange {exchange}")))?;
+        let what = format!("deleting exchange {exchange}");
+        self.inner
+            .rpc(
+                &self.inner.publisher,
+                &what,
+                channel.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()),
+                |e| from_lapin(e, Op::Topology, &what),
+            )
+            .await?;
         close(channel);
         Ok(())
     }
@@ -193,11 +214,58 @@ fn empty() -> FieldTable {
 
 /// Close a channel in the background (a channel also closes when its last handle drops; this
 /// only makes it prompt and explicit).
+/// Close a connection given up on, in the background (its close waits for a reply too).
+fn close_connection(conn: Arc<Connection>) {
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), conn.close(320, "no reply".into())).await;
+        });
+    }
+}
+
 pub(crate) fn close(channel: Channel) {
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         handle.spawn(async move {
             let _ = channel.close(200, "OK".into()).await;
         });
+    }
+}
+
+/// Checked before anything is sent: an oversized content header is a connection-level
+/// FRAME_ERROR that would take down every channel sharing the connection.
+fn fits_frame(event: &Event, frame_max: u32) -> Result<()> {
+    let header_bytes = codec::content_header_frame_bytes(event);
+    if frame_max != 0 && header_bytes > frame_max as usize {
+        return Err(Error::permanent(
+            ErrorKind::TooLarge,
+            BACKEND,
+            format!(
+                "event {}: its properties and headers need a {header_bytes}-byte content-header frame, larger than \
+                 the connection's negotiated frame_max of {frame_max}; not sent",
+                event.id
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Wait at most `limit` for the server's reply to an AMQP method. A connection that died
+/// silently (a black-holed network, before a heartbeat is missed) never answers, and an unbounded
+/// wait there would hang a relay's batch or a consumer's `receive` past every deadline of its
+/// caller.
+pub(crate) async fn bounded<T>(
+    limit: std::time::Duration,
+    what: &str,
+    reply: impl std::future::Future<Output = lapin::Result<T>>,
+    error: impl FnOnce(lapin::Error) -> Error,
+) -> Result<T> {
+    match tokio::time::timeout(limit, reply).await {
+        Ok(r) => r.map_err(error),
+        Err(_) => Err(Error::transient(
+            ErrorKind::Timeout,
+            BACKEND,
+            format!("{what}: no reply from the server within {limit:?}; the connection is given up"),
+        )),
     }
 }
 
@@ -237,12 +305,39 @@ impl Inner {
         // A connection that died silently (no heartbeat yet) can leave the open hanging.
         match tokio::time::timeout(self.config.connect_timeout(), conn.create_channel()).await {
             Ok(channel) => channel.map_err(|e| from_lapin(e, Op::Channel, slot.role)),
-            Err(_) => Err(Error::transient(
-                ErrorKind::Connection,
-                BACKEND,
-                format!("opening a {} channel timed out after {:?}", slot.role, self.config.connect_timeout()),
-            )),
+            Err(_) => {
+                self.forget_connection(slot).await;
+                Err(Error::transient(
+                    ErrorKind::Connection,
+                    BACKEND,
+                    format!("opening a {} channel timed out after {:?}", slot.role, self.config.connect_timeout()),
+                ))
+            }
         }
+    }
+
+    /// After a method got no reply: drop the slot's connection, so that the next use connects
+    /// afresh instead of opening channels on a connection that no longer answers.
+    pub(crate) async fn forget_connection(&self, slot: &Slot) {
+        if let Some(conn) = slot.connection.lock().await.take() {
+            warn!(target: "outbox.amqp", role = slot.role, "a method got no reply; reconnecting");
+            close_connection(conn);
+        }
+    }
+
+    /// [`bounded`] by the connect timeout; on no reply, the slot's connection is given up.
+    pub(crate) async fn rpc<T>(
+        &self,
+        slot: &Slot,
+        what: &str,
+        reply: impl std::future::Future<Output = lapin::Result<T>>,
+        error: impl FnOnce(lapin::Error) -> Error,
+    ) -> Result<T> {
+        let r = bounded(self.config.connect_timeout(), what, reply, error).await;
+        if r.as_ref().is_err_and(|e| e.kind() == ErrorKind::Timeout) {
+            self.forget_connection(slot).await;
+        }
+        r
     }
 
     /// A fresh channel for topology work: a failed declaration closes its channel, so these are
@@ -264,10 +359,10 @@ impl Inner {
             }
         }
         let channel = self.channel(&self.publisher).await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| from_lapin(e, Op::Channel, "confirm.select"))?;
+        self.rpc(&self.publisher, "confirm.select", channel.confirm_select(ConfirmSelectOptions::default()), |e| {
+            from_lapin(e, Op::Channel, "confirm.select")
+        })
+        .await?;
         Ok(channel)
     }
 
@@ -298,39 +393,51 @@ impl Inner {
                 }
             }
         };
-        channel
-            .exchange_declare(
+        let what = format!("exchange {exchange}");
+        self.rpc(
+            &self.publisher,
+            &what,
+            channel.exchange_declare(
                 exchange.as_str().into(),
                 ExchangeKind::Topic,
                 ExchangeDeclareOptions { passive, durable: true, ..Default::default() },
                 empty(),
-            )
-            .await
-            .map_err(missing(format!("exchange {exchange}")))?;
+            ),
+            missing(what.clone()),
+        )
+        .await?;
         for queue in &queues {
             let mut arguments = empty();
             if self.config.queue_type() == QueueType::Quorum {
                 arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
             }
-            channel
-                .queue_declare(
+            let what = format!("queue {queue}");
+            self.rpc(
+                &self.publisher,
+                &what,
+                channel.queue_declare(
                     queue.as_str().into(),
                     QueueDeclareOptions { passive, durable: true, ..Default::default() },
                     arguments,
-                )
-                .await
-                .map_err(missing(format!("queue {queue}")))?;
+                ),
+                missing(what.clone()),
+            )
+            .await?;
             if !passive {
-                channel
-                    .queue_bind(
+                let what = format!("binding {queue} to {exchange}");
+                self.rpc(
+                    &self.publisher,
+                    &what,
+                    channel.queue_bind(
                         queue.as_str().into(),
                         exchange.as_str().into(),
                         BIND_ALL.into(),
                         QueueBindOptions::default(),
                         empty(),
-                    )
-                    .await
-                    .map_err(|e| from_lapin(e, Op::Topology, &format!("binding {queue} to {exchange}")))?;
+                    ),
+                    |e| from_lapin(e, Op::Topology, &what),
+                )
+                .await?;
             }
         }
         close(channel);
@@ -339,31 +446,23 @@ impl Inner {
 
     /// Everything `publish` checks before sending, and the message to send.
     pub(crate) fn prepare(&self, event: &Event, frame_max: u32) -> Result<Prepared> {
+        let prepared = self.message(event)?;
+        fits_frame(event, frame_max)?;
+        Ok(prepared)
+    }
+
+    /// The checks that need no connection, and the message to send.
+    fn message(&self, event: &Event) -> Result<Prepared> {
         event.validate(self.config.max_payload())?;
         let exchange = self.config.exchange_name(&event.destination)?;
         let routing_key = self.config.routing_key_for(event)?;
         let properties = codec::encode(event)?;
-        // Checked before anything is sent: an oversized content header is a connection-level
-        // FRAME_ERROR that would take down every channel sharing the connection.
-        let header_bytes = codec::content_header_frame_bytes(event);
-        if frame_max != 0 && header_bytes > frame_max as usize {
-            return Err(Error::permanent(
-                ErrorKind::TooLarge,
-                BACKEND,
-                format!(
-                    "event {}: its properties and headers need a {header_bytes}-byte content-header frame, larger \
-                     than the connection's negotiated frame_max of {frame_max}; not sent",
-                    event.id
-                ),
-            ));
-        }
         Ok(Prepared { exchange, routing_key, properties })
     }
 
     async fn publish(&self, event: &Event) -> Result<()> {
-        event.validate(self.config.max_payload())?;
-        let frame_max = self.connection(&self.publisher).await?.configuration().frame_max();
-        let Prepared { exchange, routing_key, properties } = self.prepare(event, frame_max)?;
+        let Prepared { exchange, routing_key, properties } = self.message(event)?;
+        fits_frame(event, self.connection(&self.publisher).await?.configuration().frame_max())?;
         let _permit = self
             .window
             .acquire()

@@ -62,19 +62,28 @@ impl AmqpSubscription {
     pub(crate) async fn start(&mut self) -> Result<()> {
         self.inner.declare(&self.destination, std::slice::from_ref(&self.group)).await?;
         let channel = self.inner.consumer_channel().await?;
-        channel
-            .basic_qos(self.inner.config.prefetch(), BasicQosOptions { global: false })
-            .await
-            .map_err(|e| from_lapin(e, Op::Consume, "basic.qos"))?;
-        let consumer = channel
-            .basic_consume(
-                self.queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions { no_ack: false, ..Default::default() },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| from_lapin(e, Op::Consume, &format!("queue {}", self.queue)))?;
+        let qos = channel.basic_qos(self.inner.config.prefetch(), BasicQosOptions { global: false });
+        if let Err(e) =
+            self.inner.rpc(&self.inner.consumer, "basic.qos", qos, |e| from_lapin(e, Op::Consume, "basic.qos")).await
+        {
+            crate::broker::close(channel);
+            return Err(e);
+        }
+        let what = format!("queue {}", self.queue);
+        let consume = channel.basic_consume(
+            self.queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions { no_ack: false, ..Default::default() },
+            FieldTable::default(),
+        );
+        let consumer =
+            match self.inner.rpc(&self.inner.consumer, &what, consume, |e| from_lapin(e, Op::Consume, &what)).await {
+                Ok(consumer) => consumer,
+                Err(e) => {
+                    crate::broker::close(channel);
+                    return Err(e);
+                }
+            };
         self.active = Some(Active { channel, consumer, closed: Arc::new(AtomicBool::new(false)) });
         Ok(())
     }

@@ -41,9 +41,10 @@ pub(crate) struct BenchArgs {
     /// Distinct event keys (aggregates); events are spread over them by the seed.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     keys: u32,
-    /// Relay publishes in flight (`RelayConfig::concurrency`).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    concurrency: u32,
+    /// Batches a relay has between claim and recorded outcome (`RelayConfig::pipeline_depth`; 1:
+    /// claim, publish and complete one after another).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pipeline_depth: u32,
     /// Deliveries in flight in P6, for the consumer and for the hand-written loop alike.
     #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     in_flight: u32,
@@ -95,11 +96,14 @@ pub(crate) enum Subject {
     /// 1, 2, 4, 8 relays on PostgreSQL.
     #[value(name = "P7", alias = "p7")]
     P7,
+    /// PostgreSQL claim with per-key order vs the claim before it, with keys and without.
+    #[value(name = "P8", alias = "p8")]
+    P8,
 }
 
 impl Subject {
-    const ALL: [Subject; 7] =
-        [Subject::P1, Subject::P2, Subject::P3, Subject::P4, Subject::P5, Subject::P6, Subject::P7];
+    const ALL: [Subject; 8] =
+        [Subject::P1, Subject::P2, Subject::P3, Subject::P4, Subject::P5, Subject::P6, Subject::P7, Subject::P8];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -110,6 +114,7 @@ impl Subject {
             Subject::P5 => "P5",
             Subject::P6 => "P6",
             Subject::P7 => "P7",
+            Subject::P8 => "P8",
         }
     }
 
@@ -120,7 +125,7 @@ impl Subject {
             Subject::P1 | Subject::P6 => vec![pg, ("Redis", "redis", s.redis.clone())],
             Subject::P2 => vec![pg, ("RabbitMQ", "rabbitmq", s.amqp.clone())],
             Subject::P3 => vec![pg, ("Kafka", "kafka", s.kafka.clone())],
-            Subject::P4 | Subject::P7 => vec![pg],
+            Subject::P4 | Subject::P7 | Subject::P8 => vec![pg],
             Subject::P5 => vec![],
         }
     }
@@ -133,7 +138,7 @@ pub(crate) struct Settings {
     pub(crate) batch: usize,
     pub(crate) payload: usize,
     pub(crate) keys: u64,
-    pub(crate) concurrency: usize,
+    pub(crate) pipeline_depth: usize,
     pub(crate) in_flight: usize,
     pub(crate) seed: u64,
     pub(crate) pg: String,
@@ -148,8 +153,8 @@ impl Settings {
     /// The configuration every row shares, for the header and the JSON.
     fn describe(&self) -> String {
         format!(
-            "events {} | batch {} | payload {} B | keys {} | relay concurrency {} | P6 in flight {} | seed {}",
-            self.events, self.batch, self.payload, self.keys, self.concurrency, self.in_flight, self.seed
+            "events {} | batch {} | payload {} B | keys {} | relay pipeline depth {} | P6 in flight {} | seed {}",
+            self.events, self.batch, self.payload, self.keys, self.pipeline_depth, self.in_flight, self.seed
         )
     }
 }
@@ -178,7 +183,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
         batch: args.batch as usize,
         payload: args.payload as usize,
         keys: u64::from(args.keys),
-        concurrency: args.concurrency as usize,
+        pipeline_depth: args.pipeline_depth as usize,
         in_flight: args.in_flight as usize,
         seed,
         pg: args.pg.clone(),
@@ -237,7 +242,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
     println!("total time {:.0} s", started.elapsed().as_secs_f64());
     if let Some(path) = &args.json {
         let json = report::json(&settings, &machine, &outcomes, started.elapsed()).render();
-        std::fs::write(path, json + "\n")
+        std::fs::write(path, json)
             .map_err(|e| Error::permanent(ErrorKind::Config, "bench", format!("writing {}: {e}", path.display())))?;
         println!("figures written to {}", path.display());
     }

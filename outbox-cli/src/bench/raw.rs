@@ -30,8 +30,49 @@ pub(crate) const REDIS_PIPELINES: usize = 4;
 /// batch (ids and tokens as arrays, the owner once; `published_token`, `published_at`,
 /// `lease_expires_at` set as the store sets them). The backlog must already be in place.
 pub(crate) async fn pg_sql(fx: &PgFixture, n: usize, batch: usize) -> Result<f64> {
+    pg_sql_with(fx, fx.store.tables().claim_sql(), n, batch).await
+}
+
+/// The claim statement of schema version 3, before per-key order (issue 16): the first `$2` open,
+/// due, unleased rows in id order, `FOR UPDATE SKIP LOCKED`, returning what the store's claim
+/// returns. Kept here as the baseline of P8, which measures what key order costs.
+pub(crate) fn pg_claim_before_key_order(fx: &PgFixture) -> Result<String> {
+    let current = fx.store.tables().claim_sql();
+    // The `RETURNING` list and the clock expression of today's statement, so that the two differ
+    // only in which rows they pick.
+    let returning = current
+        .find("RETURNING ")
+        .and_then(|at| current[at..].find('\n').map(|end| &current[at..at + end]))
+        .ok_or_else(|| fail("the store's claim statement has no RETURNING line"))?;
+    let now = "COALESCE($1::bigint, floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint)";
+    if !current.contains(now) {
+        return Err(fail("the store's claim statement no longer reads the clock as P8 expects"));
+    }
+    Ok(format!(
+        "WITH c AS (
+    SELECT id FROM {events}
+    WHERE published_at IS NULL AND parked_at IS NULL
+      AND available_at <= {now}
+      AND (lease_expires_at IS NULL OR lease_expires_at <= {now})
+    ORDER BY id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), u AS (
+    UPDATE {events} AS t
+    SET token = t.token + 1, owner = $3, lease_expires_at = {now} + $4
+    FROM c
+    WHERE t.id = c.id
+    {returning}
+)
+SELECT * FROM u ORDER BY id",
+        events = fx.events_table
+    ))
+}
+
+/// [`pg_sql`] with another claim statement (same parameters: now, limit, owner, lease).
+pub(crate) async fn pg_sql_with(fx: &PgFixture, claim: &str, n: usize, batch: usize) -> Result<f64> {
     let mut conn = fx.connection().await?;
-    let claim = fx.store.tables().claim_sql().to_owned();
+    let claim = claim.to_owned();
     let complete = format!(
         "UPDATE {events} AS t SET published_token = t.token,
              published_at = floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint,

@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use super::{Outcome, Settings, Subject};
+use crate::json::Json;
 
 /// One line of the table.
 #[derive(Debug, Clone)]
@@ -16,7 +17,7 @@ pub(crate) struct Row {
     pub(crate) baseline: String,
     /// Events per second of the subject.
     pub(crate) measured: f64,
-    /// Events per second of the baseline (`None`: no baseline, e.g. one relay in P7).
+    /// Events per second of the baseline (`None`: no baseline).
     pub(crate) baseline_rate: Option<f64>,
     /// The ratio must be at least this.
     pub(crate) goal: Option<f64>,
@@ -144,74 +145,6 @@ pub(crate) fn machine() -> String {
     format!("{cpus} CPUs ({model}), {mem} RAM, Linux {kernel}, {build}")
 }
 
-/// A JSON value, written by hand: the CLI has no serializer, and this needs none.
-pub(crate) enum Json {
-    Null,
-    Bool(bool),
-    Num(u64),
-    Float(f64),
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(Vec<(String, Json)>),
-}
-
-impl Json {
-    pub(crate) fn render(&self) -> String {
-        let mut out = String::new();
-        self.write(&mut out);
-        out
-    }
-
-    fn write(&self, out: &mut String) {
-        match self {
-            Json::Null => out.push_str("null"),
-            Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-            Json::Num(n) => out.push_str(&n.to_string()),
-            Json::Float(x) if x.is_finite() => out.push_str(&format!("{x:.3}")),
-            Json::Float(_) => out.push_str("null"),
-            Json::Str(s) => {
-                out.push('"');
-                for c in s.chars() {
-                    match c {
-                        '"' => out.push_str("\\\""),
-                        '\\' => out.push_str("\\\\"),
-                        '\n' => out.push_str("\\n"),
-                        c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-                        c => out.push(c),
-                    }
-                }
-                out.push('"');
-            }
-            Json::Arr(items) => {
-                out.push('[');
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    item.write(out);
-                }
-                out.push(']');
-            }
-            Json::Obj(fields) => {
-                out.push('{');
-                for (i, (k, v)) in fields.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    Json::Str(k.clone()).write(out);
-                    out.push(':');
-                    v.write(out);
-                }
-                out.push('}');
-            }
-        }
-    }
-}
-
-fn obj(fields: Vec<(&str, Json)>) -> Json {
-    Json::Obj(fields.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
-}
-
 fn s(v: impl Into<String>) -> Json {
     Json::Str(v.into())
 }
@@ -221,7 +154,7 @@ fn opt(v: Option<f64>) -> Json {
 }
 
 fn row_json(r: &Row) -> Json {
-    obj(vec![
+    Json::obj(vec![
         ("id", s(&r.id)),
         ("subject", s(&r.subject)),
         ("baseline", s(&r.baseline)),
@@ -232,7 +165,7 @@ fn row_json(r: &Row) -> Json {
         ("pass", r.pass.map_or(Json::Null, Json::Bool)),
         ("configuration", s(&r.configuration)),
         ("components", Json::Obj(r.components.iter().map(|(k, v)| (k.clone(), Json::Float(*v))).collect())),
-        ("seed", Json::Num(r.seed)),
+        ("seed", Json::Num(r.seed.into())),
     ])
 }
 
@@ -249,23 +182,23 @@ pub(crate) fn json(settings: &Settings, machine: &str, outcomes: &[(Subject, Out
             Outcome::Skipped(why) => ("skipped", Some(why.clone())),
             Outcome::Failed(why) => ("error", Some(why.clone())),
         };
-        subjects.push(obj(vec![
+        subjects.push(Json::obj(vec![
             ("subject", s(subject.name())),
             ("status", s(status)),
             ("reason", why.map_or(Json::Null, Json::Str)),
         ]));
     }
-    obj(vec![
-        ("seed", Json::Num(settings.seed)),
+    Json::obj(vec![
+        ("seed", Json::Num(settings.seed.into())),
         (
             "settings",
-            obj(vec![
-                ("events", Json::Num(settings.events as u64)),
-                ("batch", Json::Num(settings.batch as u64)),
-                ("payload", Json::Num(settings.payload as u64)),
-                ("keys", Json::Num(settings.keys)),
-                ("concurrency", Json::Num(settings.concurrency as u64)),
-                ("in_flight", Json::Num(settings.in_flight as u64)),
+            Json::obj(vec![
+                ("events", Json::Num(settings.events as i128)),
+                ("batch", Json::Num(settings.batch as i128)),
+                ("payload", Json::Num(settings.payload as i128)),
+                ("keys", Json::Num(settings.keys.into())),
+                ("pipeline_depth", Json::Num(settings.pipeline_depth as i128)),
+                ("in_flight", Json::Num(settings.in_flight as i128)),
             ]),
         ),
         ("machine", s(machine)),
@@ -287,11 +220,11 @@ mod tests {
         assert_eq!(r.pass, Some(false));
         let r = Row::new("P7/1", "relay", "-", 89.0, None, None, "", vec![], 1);
         assert_eq!(r.pass, None);
-        assert!(row_json(&r).render().contains("\"ratio\":null"));
+        assert!(row_json(&r).render().contains("\"ratio\": null"));
     }
 
     #[test]
     fn strings_are_escaped() {
-        assert_eq!(s("a\"b\\c\n").render(), "\"a\\\"b\\\\c\\n\"");
+        assert_eq!(s("a\"b\\c\n").render(), "\"a\\\"b\\\\c\\n\"\n");
     }
 }

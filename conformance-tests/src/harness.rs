@@ -62,6 +62,10 @@ pub enum Capability {
     /// The harness can build a fixture whose store passes over parked rows
     /// ([`ParkedHead::Skip`], through [`Harness::fixture_with_parked_head`]).
     ParkedHeadSkip,
+    /// The store implements retention ([`OutboxAdmin::purge_published`](outbox_core::OutboxAdmin::purge_published)).
+    /// Found out by the case itself, not declared: the trait's default, a permanent
+    /// [`Rejected`](outbox_core::ErrorKind::Rejected) error, means the store has none.
+    Retention,
 }
 
 impl Capability {
@@ -91,6 +95,7 @@ impl fmt::Display for Capability {
             Self::Nack => "nack",
             Self::ForeignMessages => "foreign-messages",
             Self::ParkedHeadSkip => "parked-head-skip",
+            Self::Retention => "retention",
         })
     }
 }

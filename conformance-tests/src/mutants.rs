@@ -50,6 +50,9 @@ pub enum Mutant {
     /// the whole prefix: a row blocked in the middle of a key holds back the row after it, but
     /// not the rows after that.
     ClaimChecksHeadAndPredecessorOnly,
+    /// Retention that deletes parked rows (dead letters awaiting an operator) along with old
+    /// published ones.
+    PurgeTakesParked,
     /// Rows marked published when claimed, before anything is sent.
     PublishedOnClaim,
     /// The inbox marker committed in its own transaction, before the effect.
@@ -95,13 +98,14 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 24] = [
+    pub const ALL: [Mutant; 25] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
         Mutant::ClaimIgnoresKeyOrder,
         Mutant::ClaimSkipsParkedHead,
         Mutant::ClaimChecksHeadAndPredecessorOnly,
+        Mutant::PurgeTakesParked,
         Mutant::PublishedOnClaim,
         Mutant::MarkerFirst,
         Mutant::EffectFirst,
@@ -165,6 +169,7 @@ impl fmt::Display for Mutant {
             Self::ClaimChecksHeadAndPredecessorOnly => {
                 "claim that checks only a key's head and the row's predecessor (a row blocked mid-key is overtaken)"
             }
+            Self::PurgeTakesParked => "retention that deletes parked rows too",
             Self::PublishedOnClaim => "mark published before publishing",
             Self::MarkerFirst => "marker and effect in separate transactions (marker first)",
             Self::EffectFirst => "marker and effect in separate transactions (effect first)",
@@ -399,7 +404,13 @@ impl OutboxAdmin for MutantStore {
     }
 
     async fn purge_published(&self, older_than: Duration, limit: usize) -> Result<u64> {
-        self.inner.purge_published(older_than, limit).await
+        let mut purged = self.inner.purge_published(older_than, limit).await?;
+        if self.mode == Mutant::PurgeTakesParked {
+            let parked: Vec<RowId> =
+                self.inner.list_parked(limit).await?.into_iter().map(|p| p.record.row_id).collect();
+            purged += self.inner.purge_parked(&parked).await?;
+        }
+        Ok(purged)
     }
 
     async fn stats(&self) -> Result<OutboxStats> {

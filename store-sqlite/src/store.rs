@@ -472,10 +472,10 @@ impl StoredRow {
     }
 }
 
-/// The two statements of [`claimable_ids`] for one [`ParkedHead`]: `$blocks` is what makes a row of the chain
-/// block its key besides backing off or a live lease, `$chain` what leaves a row out of the
-/// chain. The probes' table has no alias, so both apply to it as they are. `event_key IS NOT
-/// NULL` lets the partial index `outbox_rows_key_open` serve every probe.
+/// The two statements of [`claimable_ids`] for one [`ParkedHead`]: `$blocks` is what makes a
+/// row of a key's chain block it besides backing off or a live lease, `$chain` what leaves a row
+/// out of the chain. The probes' table has no alias, so both apply to it as they are. `event_key
+/// IS NOT NULL` lets the partial index `outbox_rows_key_open` serve every probe.
 macro_rules! key_order_sql {
     ($blocks:literal, $chain:literal) => {
         (
@@ -483,35 +483,30 @@ macro_rules! key_order_sql {
                 "SELECT o.row_id, o.event_key FROM outbox_rows o
      WHERE o.published_token IS NULL AND o.parked_at IS NULL
        AND o.available_at <= ?1 AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= ?1)
-       AND (o.event_key IS NULL OR (
-           COALESCE((SELECT ",
+       AND (o.event_key IS NULL OR COALESCE((SELECT ",
                 $blocks,
                 "available_at > ?1 OR COALESCE(lease_expires_at > ?1, 0)
                      FROM outbox_rows
                      WHERE event_key = o.event_key AND event_key IS NOT NULL AND published_token IS NULL",
                 $chain,
                 "
-                     ORDER BY row_id LIMIT 1), 0) = 0
-           AND COALESCE((SELECT ",
-                $blocks,
-                "available_at > ?1 OR COALESCE(lease_expires_at > ?1, 0)
-                     FROM outbox_rows
-                     WHERE event_key = o.event_key AND event_key IS NOT NULL AND published_token IS NULL",
-                $chain,
-                " AND row_id < o.row_id
-                     ORDER BY row_id DESC LIMIT 1), 0) = 0))
+                     ORDER BY row_id LIMIT 1), 0) = 0)
      ORDER BY o.row_id LIMIT ?2"
             ),
             concat!(
-                "SELECT row_id FROM outbox_rows
-     WHERE event_key = ?1 AND event_key IS NOT NULL AND published_token IS NULL",
+                "SELECT k.event_key, (SELECT row_id FROM outbox_rows
+         WHERE event_key = k.event_key AND event_key IS NOT NULL AND published_token IS NULL",
                 $chain,
-                " ORDER BY row_id LIMIT ?2"
+                "
+           AND row_id NOT IN (SELECT value FROM json_each(?1))
+         ORDER BY row_id LIMIT 1)
+     FROM (SELECT DISTINCT event_key FROM outbox_rows
+           WHERE row_id IN (SELECT value FROM json_each(?1)) AND event_key IS NOT NULL) k"
             ),
         )
     };
 }
-/// The candidates statement and the chain statement of [`claimable_ids`] under `parked_head`.
+/// The candidates statement and the gap statement of [`claimable_ids`] under `parked_head`.
 fn key_order_sql(parked_head: ParkedHead) -> (&'static str, &'static str) {
     match parked_head {
         ParkedHead::Block => key_order_sql!("parked_at IS NOT NULL OR ", ""),
@@ -521,19 +516,21 @@ fn key_order_sql(parked_head: ParkedHead) -> (&'static str, &'static str) {
 
 /// The rows a claim at `now` takes, at most `limit`, in row order, under key order (see
 /// [`OutboxStore::claim`]). Runs inside the claim's `BEGIN IMMEDIATE` transaction, so nothing
-/// changes between its two steps:
+/// changes between its two statements:
 ///
 /// 1. candidates: open rows in row order that are due and unleased and whose key's head (oldest
-///    unpublished row) and predecessor (previous unpublished row) are not blocked — two one-row
-///    probes of `outbox_rows_key_open`, which keep a key stuck behind its head out of the batch;
-/// 2. per key of the candidates, only the prefix of the key's unpublished rows is kept: a row
-///    blocked in the middle of a key (its head claimable, a later row backing off) stops the key
-///    there.
+///    unpublished row) is not blocked — one probe of `outbox_rows_key_open` per keyed row, which
+///    keeps a key stuck behind its head out of the batch, so it cannot crowd out other keys;
+/// 2. gaps, one statement for every key of the candidates: the key's first unpublished row that
+///    is not a candidate. A candidate after its key's gap is dropped: a row blocked in the middle
+///    of a key (its head claimable, a later row backing off or leased) stops the key there.
 ///
+/// Step 2 alone decides key order; step 1 only keeps blocked keys from filling the batch (a key
+/// blocked in its middle can fill one batch at most, as its head is then claimed and in flight).
 /// Under [`ParkedHead::Skip`] parked rows are left out of a key's chain; under `Block` they block.
 fn claimable_ids(tx: &Transaction<'_>, parked_head: ParkedHead, now: Timestamp, limit: i64) -> Result<Vec<i64>> {
     let what = "claim";
-    let (candidates_sql, chain_sql) = key_order_sql(parked_head);
+    let (candidates_sql, gaps_sql) = key_order_sql(parked_head);
     let candidates: Vec<(i64, Option<String>)> = tx
         .prepare_cached(candidates_sql)
         .ctx(what)?
@@ -541,26 +538,24 @@ fn claimable_ids(tx: &Transaction<'_>, parked_head: ParkedHead, now: Timestamp, 
         .ctx(what)?
         .collect::<rusqlite::Result<_>>()
         .ctx(what)?;
-    let mut by_key: std::collections::BTreeMap<&str, Vec<i64>> = std::collections::BTreeMap::new();
-    for (id, key) in &candidates {
-        if let Some(k) = key {
-            by_key.entry(k.as_str()).or_default().push(*id);
-        }
-    }
-    if by_key.is_empty() {
+    if candidates.iter().all(|(_, key)| key.is_none()) {
         // No key in the batch: nothing to check, no second statement.
         return Ok(candidates.into_iter().map(|(id, _)| id).collect());
     }
-    let mut dropped = std::collections::HashSet::new();
-    let mut chain = tx.prepare_cached(chain_sql).ctx(what)?;
-    for (key, ids) in &by_key {
-        let n = i64::try_from(ids.len()).unwrap_or(i64::MAX);
-        let unpublished: Vec<i64> =
-            chain.query_map((key, n), |r| r.get(0)).ctx(what)?.collect::<rusqlite::Result<_>>().ctx(what)?;
-        let prefix = ids.iter().zip(&unpublished).take_while(|(a, b)| a == b).count();
-        dropped.extend(ids[prefix..].iter().copied());
-    }
-    Ok(candidates.into_iter().map(|(id, _)| id).filter(|id| !dropped.contains(id)).collect())
+    let ids: Vec<i64> = candidates.iter().map(|(id, _)| *id).collect();
+    let gaps: std::collections::HashMap<String, i64> = tx
+        .prepare_cached(gaps_sql)
+        .ctx(what)?
+        .query_map([json_array(&ids)], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?)))
+        .ctx(what)?
+        .filter_map(|r| r.map(|(key, gap)| gap.map(|gap| (key, gap))).transpose())
+        .collect::<rusqlite::Result<_>>()
+        .ctx(what)?;
+    Ok(candidates
+        .into_iter()
+        .filter(|(id, key)| key.as_ref().and_then(|k| gaps.get(k)).is_none_or(|gap| id < gap))
+        .map(|(id, _)| id)
+        .collect())
 }
 
 /// `ids` as a JSON array, the one parameter `json_each` expands into the claim's `IN` list.
@@ -896,15 +891,17 @@ mod tests {
         let mut conn = rusqlite::Connection::open_in_memory().unwrap();
         crate::schema::migrate(&mut conn, Timestamp(0)).unwrap();
         for parked_head in [ParkedHead::Block, ParkedHead::Skip] {
-            let (candidates, chain) = super::key_order_sql(parked_head);
-            for (sql, probes) in [(candidates, 2), (chain, 1)] {
-                let plan: Vec<String> = conn
-                    .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+            let (candidates, gaps) = super::key_order_sql(parked_head);
+            let explain = |sql: &str, params: &[&dyn rusqlite::ToSql]| -> Vec<String> {
+                conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
                     .unwrap()
-                    .query_map((0, 10), |r| r.get::<_, String>(3))
+                    .query_map(params, |r| r.get::<_, String>(3))
                     .unwrap()
                     .collect::<Result<_, _>>()
-                    .unwrap();
+                    .unwrap()
+            };
+            let plans = [(explain(candidates, &[&0, &10]), 1), (explain(gaps, &[&"[1,2]"]), 1)];
+            for (plan, probes) in plans {
                 let searches = plan
                     .iter()
                     .filter(|p| p.starts_with("SEARCH outbox_rows USING") && p.contains("outbox_rows_key_open"))

@@ -62,7 +62,7 @@ pub enum Capability {
     /// The harness can build a fixture whose store passes over parked rows
     /// ([`ParkedHead::Skip`], through [`Harness::fixture_with_parked_head`]).
     ParkedHeadSkip,
-    /// The store implements retention ([`OutboxAdmin::purge_published`](outbox_core::OutboxAdmin::purge_published)).
+    /// The store implements retention ([`OutboxAdmin::purge_published`]).
     /// Found out by the case itself, not declared: the trait's default, a permanent
     /// [`Rejected`](outbox_core::ErrorKind::Rejected) error, means the store has none.
     Retention,

@@ -212,8 +212,6 @@ fn empty() -> FieldTable {
     FieldTable::default()
 }
 
-/// Close a channel in the background (a channel also closes when its last handle drops; this
-/// only makes it prompt and explicit).
 /// Close a connection given up on, in the background (its close waits for a reply too).
 fn close_connection(conn: Arc<Connection>) {
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -223,6 +221,8 @@ fn close_connection(conn: Arc<Connection>) {
     }
 }
 
+/// Close a channel in the background (a channel also closes when its last handle drops; this
+/// only makes it prompt and explicit).
 pub(crate) fn close(channel: Channel) {
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         handle.spawn(async move {
@@ -247,26 +247,6 @@ fn fits_frame(event: &Event, frame_max: u32) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// Wait at most `limit` for the server's reply to an AMQP method. A connection that died
-/// silently (a black-holed network, before a heartbeat is missed) never answers, and an unbounded
-/// wait there would hang a relay's batch or a consumer's `receive` past every deadline of its
-/// caller.
-pub(crate) async fn bounded<T>(
-    limit: std::time::Duration,
-    what: &str,
-    reply: impl std::future::Future<Output = lapin::Result<T>>,
-    error: impl FnOnce(lapin::Error) -> Error,
-) -> Result<T> {
-    match tokio::time::timeout(limit, reply).await {
-        Ok(r) => r.map_err(error),
-        Err(_) => Err(Error::transient(
-            ErrorKind::Timeout,
-            BACKEND,
-            format!("{what}: no reply from the server within {limit:?}; the connection is given up"),
-        )),
-    }
 }
 
 impl Inner {
@@ -318,14 +298,18 @@ impl Inner {
 
     /// After a method got no reply: drop the slot's connection, so that the next use connects
     /// afresh instead of opening channels on a connection that no longer answers.
-    pub(crate) async fn forget_connection(&self, slot: &Slot) {
+    async fn forget_connection(&self, slot: &Slot) {
         if let Some(conn) = slot.connection.lock().await.take() {
             warn!(target: "outbox.amqp", role = slot.role, "a method got no reply; reconnecting");
             close_connection(conn);
         }
     }
 
-    /// [`bounded`] by the connect timeout; on no reply, the slot's connection is given up.
+    /// Wait at most the connect timeout for the server's reply to an AMQP method on `slot`'s
+    /// connection. A connection that died silently (a black-holed network, before a heartbeat
+    /// is missed) never answers, and an unbounded wait would hang a relay's batch or a
+    /// consumer's `receive` past every deadline of its caller; on no reply the connection is
+    /// given up, so the next use reconnects.
     pub(crate) async fn rpc<T>(
         &self,
         slot: &Slot,
@@ -333,11 +317,18 @@ impl Inner {
         reply: impl std::future::Future<Output = lapin::Result<T>>,
         error: impl FnOnce(lapin::Error) -> Error,
     ) -> Result<T> {
-        let r = bounded(self.config.connect_timeout(), what, reply, error).await;
-        if r.as_ref().is_err_and(|e| e.kind() == ErrorKind::Timeout) {
-            self.forget_connection(slot).await;
+        let limit = self.config.connect_timeout();
+        match tokio::time::timeout(limit, reply).await {
+            Ok(r) => r.map_err(error),
+            Err(_) => {
+                self.forget_connection(slot).await;
+                Err(Error::transient(
+                    ErrorKind::Timeout,
+                    BACKEND,
+                    format!("{what}: no reply from the server within {limit:?}; the connection is given up"),
+                ))
+            }
         }
-        r
     }
 
     /// A fresh channel for topology work: a failed declaration closes its channel, so these are

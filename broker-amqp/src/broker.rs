@@ -186,10 +186,16 @@ impl AmqpBroker {
 
     /// Close both connections (publishes and subscriptions in flight fail). Dropping the last
     /// clone and every subscription closes them too.
+    ///
+    /// Each connection's close handshake waits at most the connect timeout: on a connection that
+    /// died silently the handshake never completes, and closing must not hang a shutdown.
     pub async fn close(&self) {
+        let limit = self.inner.config.connect_timeout();
         for slot in [&self.inner.publisher, &self.inner.consumer] {
-            if let Some(conn) = slot.connection.lock().await.take() {
-                let _ = conn.close(200, "OK".into()).await;
+            if let Some(conn) = slot.connection.lock().await.take()
+                && tokio::time::timeout(limit, conn.close(200, "OK".into())).await.is_err()
+            {
+                warn!(target: "outbox.amqp", role = slot.role, ?limit, "no reply to connection.close; dropped the connection");
             }
         }
         lock(&self.inner.idle).clear();
@@ -226,10 +232,15 @@ fn close_connection(conn: Arc<Connection>) {
 pub(crate) fn close(channel: Channel) {
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         handle.spawn(async move {
-            let _ = channel.close(200, "OK".into()).await;
+            // Bounded: on a dead connection the reply never comes (the connection's own reopening
+            // is decided elsewhere).
+            let _ = tokio::time::timeout(CHANNEL_CLOSE_LIMIT, channel.close(200, "OK".into())).await;
         });
     }
 }
+
+/// Longest wait for the reply to a background `channel.close`.
+const CHANNEL_CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Checked before anything is sent: an oversized content header is a connection-level
 /// FRAME_ERROR that would take down every channel sharing the connection.

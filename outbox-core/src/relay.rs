@@ -18,17 +18,20 @@
 //! Nothing about a row changes: every transition after the claim is conditional on the claim's
 //! token, whichever stage makes it. Per-key order holds because a store's claim never returns a
 //! row whose earlier row of the same key is still leased ([`OutboxStore::claim`]): an overlapped
-//! claim cannot take a later row of a key that is still in flight, and publishes of different
-//! batches never overlap (the publish stage takes one batch at a time, in claim order).
+//! claim cannot take a later row of a key that is still in flight, so the batches in flight
+//! never share a key. That is also why their publishes may overlap: a broker whose throughput is
+//! bound by confirm latency (RabbitMQ's publisher confirms, Kafka's acks) sees `pipeline_depth`
+//! batches in flight instead of one.
 //!
 //! # Lease safety
 //!
-//! A claimed batch waits for at most `pipeline_depth - 1` earlier batches to publish before its
-//! own publish starts, so its lease must outlast `pipeline_depth × (publish time of a batch)`
-//! plus the completion. The publish stage checks: a batch that waited for half its lease or more
-//! is released unpublished (counted as released, logged as a warning), never published on a
-//! lease that may already be gone. With the defaults (30 s lease, depth 2, batches of 100) a
-//! batch would have to take 15 s to publish for that to happen.
+//! A claimed batch's publish starts as soon as it reaches the publish stage, and its outcomes
+//! are recorded as soon as its publish ends, so its lease must outlast one publish plus the
+//! completion (the completion stage records one batch at a time, so up to `pipeline_depth`
+//! completions may be ahead of it). The publish stage still checks: a batch that waited for half
+//! its lease or more before its publish began is released unpublished (counted as released,
+//! logged as a warning), never published on a lease that may already be gone. With the defaults
+//! (30 s lease, depth 2, batches of 100) that takes a stall of 15 s.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -138,11 +141,12 @@ pub struct RelayConfig {
     /// sequential).
     pub concurrency: usize,
     /// Batches between their claim and their recorded outcomes at once (at least 1). With 2, the
-    /// next batch is claimed while this one publishes, and this one's outcomes are recorded while
-    /// the next one publishes; 1 is the serial relay (claim, publish, complete, then the next
-    /// claim). [`Relay::run_once`] is always one batch. Keep `pipeline_depth × (publish time of a
-    /// batch)` well under [`lease`](Self::lease): a batch that waited in the pipeline for half its
-    /// lease is released unpublished (see the module docs).
+    /// next batch is claimed and published while this one's publish is still waiting for the
+    /// broker's acknowledgements, and each batch's outcomes are recorded as its publish ends; 1
+    /// is the serial relay (claim, publish, complete, then the next claim). [`Relay::run_once`]
+    /// is always one batch. Keep one batch's publish time well under [`lease`](Self::lease): a
+    /// batch that waited in the pipeline for half its lease is released unpublished (see the
+    /// module docs).
     pub pipeline_depth: usize,
     /// Failed attempts after which a row is parked.
     pub max_attempts: u32,
@@ -649,12 +653,32 @@ impl Relay {
             }
         };
 
+        // Publishes of claimed batches run at once (up to `depth`, bounded by the slots): the
+        // batches in flight never share a key, so their messages may be in flight together.
+        // Each batch's outcomes go to the completion stage as soon as its publish ends, so a slow
+        // batch does not hold back the completions (and leases) of the ones claimed after it.
         let publish_stage = async move {
-            while let Some((batch, slot)) = claimed.recv().await {
-                let span = batch.span.clone();
-                let d = self.publish(batch, refused).instrument(span).await;
-                if to_settle.send((d, slot)).await.is_err() {
-                    break;
+            use futures::StreamExt;
+            let mut publishing = futures::stream::FuturesUnordered::new();
+            let mut open = true;
+            loop {
+                tokio::select! {
+                    biased;
+                    Some((d, slot)) = publishing.next(), if !publishing.is_empty() => {
+                        if to_settle.send((d, slot)).await.is_err() {
+                            break;
+                        }
+                    }
+                    next = claimed.recv(), if open => match next {
+                        Some((batch, slot)) => {
+                            let span = batch.span.clone();
+                            publishing.push(async move {
+                                (self.publish(batch, refused).instrument(span).await, slot)
+                            });
+                        }
+                        None => open = false,
+                    },
+                    else => break,
                 }
             }
         };

@@ -86,7 +86,7 @@ async fn relay_counts_fenced_completions() {
     let (clock, store, broker) = setup().await;
     store.enqueue(&[event("e1"), event("e2")]).await.unwrap();
     let gate = Arc::new(Notify::new());
-    let stalled = Arc::new(StallComplete { inner: store.clone(), gate: gate.clone() });
+    let stalled = Arc::new(StallComplete::new(store.clone(), gate.clone()));
     let relay_a = Relay::new(stalled, Arc::new(broker.clone()), config("relay-a"));
     let relay_b = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("relay-b"));
 
@@ -105,9 +105,20 @@ async fn relay_counts_fenced_completions() {
     assert_eq!(broker.log(&dest()).len(), 4);
 }
 
+/// A store whose completions wait for `gate` (when `stall_complete`), and whose claim number
+/// `hold_claim.0` (counting from 1) signals `hold_claim.1.0` and waits for `hold_claim.1.1`.
 struct StallComplete {
     inner: MemoryOutbox,
     gate: Arc<Notify>,
+    stall_complete: bool,
+    claims: std::sync::atomic::AtomicUsize,
+    hold_claim: Option<(usize, Arc<(Notify, Notify)>)>,
+}
+
+impl StallComplete {
+    fn new(inner: MemoryOutbox, gate: Arc<Notify>) -> Self {
+        Self { inner, gate, stall_complete: true, claims: Default::default(), hold_claim: None }
+    }
 }
 
 #[async_trait]
@@ -124,13 +135,22 @@ impl OutboxStore for StallComplete {
         limit: usize,
         lease: Duration,
     ) -> outbox_core::Result<Vec<outbox_core::Claimed>> {
+        let n = self.claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if let Some((at, gate)) = &self.hold_claim
+            && n == *at
+        {
+            gate.0.notify_one();
+            if tokio::time::timeout(LIMIT, gate.1.notified()).await.is_err() {
+                return Err(Error::transient(ErrorKind::Timeout, "stall", "the claim gate was never opened"));
+            }
+        }
         self.inner.claim(owner, limit, lease).await
     }
     async fn complete(&self, row: i64, lease: &outbox_core::Lease) -> outbox_core::Result<Completion> {
         self.inner.complete(row, lease).await
     }
     async fn complete_many(&self, rows: &[(i64, outbox_core::Lease)]) -> outbox_core::Result<Vec<Completion>> {
-        if tokio::time::timeout(LIMIT, self.gate.notified()).await.is_err() {
+        if self.stall_complete && tokio::time::timeout(LIMIT, self.gate.notified()).await.is_err() {
             return Err(Error::transient(ErrorKind::Timeout, "stall", "the gate was never opened"));
         }
         self.inner.complete_many(rows).await
@@ -306,19 +326,18 @@ async fn permanent_failure_parks_at_once_and_outcome_unknown_is_offered_again() 
     assert_eq!(broker.log(&dest()).iter().map(|e| e.id.as_str()).collect::<Vec<_>>(), ["maybe"]);
 }
 
-/// Shutdown while one batch is being published and the next is claimed but not handed to the
-/// broker yet: the first finishes and is completed, the second is released, nothing else is
-/// claimed.
+/// Shutdown while two batches are at the broker (the second was claimed and published while the
+/// first still waited): both finish and are completed, nothing else is claimed, no lease is left.
 #[tokio::test]
-async fn graceful_shutdown_finishes_in_flight_and_releases_the_rest() {
+async fn graceful_shutdown_finishes_the_publishes_in_flight_and_claims_nothing_more() {
     let (_clock, store, broker) = setup().await;
     let events: Vec<Event> = (1..=3).map(|i| event(&format!("e{i}"))).collect();
     store.enqueue(&events).await.unwrap();
-    let gate = Arc::new((Notify::new(), Notify::new()));
-    let scripted = Scripted { inner: broker.clone(), script: Mutex::default(), gate: Some(gate.clone()) };
+    let gate = Gate::new();
+    let flaky = Arc::new(Flaky { gate: Some(gate.clone()), ..Flaky::new(broker.clone()) });
     let relay = Arc::new(Relay::new(
         Arc::new(store.clone()),
-        Arc::new(scripted),
+        flaky.clone(),
         config("r").with_batch_size(1).with_pipeline_depth(2),
     ));
     let shutdown = relay.shutdown_handle();
@@ -326,29 +345,71 @@ async fn graceful_shutdown_finishes_in_flight_and_releases_the_rest() {
         let relay = relay.clone();
         async move { relay.run().await.unwrap() }
     });
-    within("the first publish starting", gate.0.notified()).await;
-    // The second batch is claimed while the first publishes.
-    wait_until(|| relay.totals().claimed == 2).await;
+    // The second batch reaches the broker while the first is still there.
+    wait_until(|| flaky.batches().len() == 2).await;
+    assert_eq!(relay.totals().claimed, 2);
     shutdown.trigger();
-    gate.1.notify_one(); // let it finish
+    gate.open.add_permits(2);
     let totals = within("the relay stopping after shutdown", running).await.unwrap();
-    assert_eq!((totals.claimed, totals.published, totals.released), (2, 1, 1));
+    assert_eq!((totals.claimed, totals.published, totals.released), (2, 2, 0), "{totals:?}");
+    assert_eq!(flaky.batches(), [vec!["e1"], vec!["e2"]], "one batch per claim, in claim order");
+
+    let rows = all_rows(&store).await.unwrap();
+    for r in &rows[..2] {
+        assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{r:?}");
+    }
+    assert_eq!(
+        (rows[2].status, rows[2].token, rows[2].owner.as_deref()),
+        (RowStatus::Pending, 0, None),
+        "e3 was never claimed"
+    );
+    let mut ids = log_ids(&broker);
+    ids.sort();
+    assert_eq!(ids, ["e1", "e2"]);
+    // Another relay picks up the rest at once.
+    let other = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("r2"));
+    assert_eq!(other.drain().await.unwrap().published, 1);
+    assert_eq!(log_ids(&broker).last().map(String::as_str), Some("e3"));
+}
+
+/// A batch whose claim returns after shutdown began is released unpublished (no attempt
+/// counted, no lease left), while the batch already at the broker finishes and is completed.
+#[tokio::test]
+async fn a_batch_claimed_as_shutdown_begins_is_released_unpublished() {
+    let (_clock, store, broker) = setup().await;
+    let events: Vec<Event> = (1..=3).map(|i| event(&format!("e{i}"))).collect();
+    store.enqueue(&events).await.unwrap();
+    let claim_gate = Arc::new((Notify::new(), Notify::new()));
+    let stalled = Arc::new(StallComplete {
+        stall_complete: false,
+        hold_claim: Some((2, claim_gate.clone())),
+        ..StallComplete::new(store.clone(), Arc::new(Notify::new()))
+    });
+    let gate = Gate::new();
+    let flaky = Arc::new(Flaky { gate: Some(gate.clone()), ..Flaky::new(broker.clone()) });
+    let relay = Arc::new(Relay::new(stalled, flaky.clone(), config("r").with_batch_size(1).with_pipeline_depth(2)));
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run().await.unwrap() }
+    });
+    within("the first batch reaching the broker", gate.started.notified()).await;
+    within("the second claim starting", claim_gate.0.notified()).await;
+    relay.shutdown_handle().trigger();
+    claim_gate.1.notify_one();
+    gate.open.add_permits(1);
+    let totals = within("the relay stopping after shutdown", running).await.unwrap();
+    assert_eq!((totals.claimed, totals.published, totals.released), (2, 1, 1), "{totals:?}");
+    assert_eq!(flaky.batches(), [vec!["e1"]], "the batch claimed during shutdown never reached the broker");
 
     let rows = all_rows(&store).await.unwrap();
     assert_eq!(rows[0].status, RowStatus::Published);
     for r in &rows[1..] {
-        assert_eq!(r.status, RowStatus::Pending, "released rows are claimable at once");
-        assert_eq!(r.attempts, 0, "a release is not a failed attempt");
-        assert_eq!(r.owner, None);
+        assert_eq!((r.status, r.attempts, r.owner.as_deref()), (RowStatus::Pending, 0, None), "{r:?}");
     }
-    assert_eq!(rows[1].token, 1, "e2 was claimed once, then released");
-    assert_eq!(rows[2].token, 0, "e3 was never claimed");
-    assert_eq!(broker.log(&dest()).len(), 1);
-    // Another relay picks the released rows up immediately, in order.
+    assert_eq!((rows[1].token, rows[2].token), (1, 0), "e2 was claimed once, then released; e3 never");
     let other = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("r2"));
     assert_eq!(other.drain().await.unwrap().published, 2);
-    let ids: Vec<_> = broker.log(&dest()).iter().map(|e| e.id.to_string()).collect();
-    assert_eq!(ids, ["e1", "e2", "e3"]);
+    assert_eq!(log_ids(&broker), ["e1", "e2", "e3"]);
 }
 
 #[tokio::test]
@@ -610,7 +671,7 @@ async fn pipelined_batches_keep_fencing() {
     let (clock, store, broker) = setup().await;
     store.enqueue(&[event("e1"), event("e2")]).await.unwrap();
     let gate = Arc::new(Notify::new());
-    let stalled = Arc::new(StallComplete { inner: store.clone(), gate: gate.clone() });
+    let stalled = Arc::new(StallComplete::new(store.clone(), gate.clone()));
     let relay_a = Arc::new(Relay::new(
         stalled,
         Arc::new(broker.clone()),
@@ -651,7 +712,7 @@ async fn depth_one_claims_only_after_the_outcomes_are_recorded() {
     let (_clock, store, broker) = setup().await;
     store.enqueue(&[event("e1"), event("e2")]).await.unwrap();
     let gate = Arc::new(Notify::new());
-    let stalled = Arc::new(StallComplete { inner: store.clone(), gate: gate.clone() });
+    let stalled = Arc::new(StallComplete::new(store.clone(), gate.clone()));
     let relay =
         Arc::new(Relay::new(stalled, Arc::new(broker.clone()), config("r").with_batch_size(1).with_pipeline_depth(1)));
     let task = tokio::spawn({
@@ -768,9 +829,8 @@ async fn skipped_rows_count_no_attempt() {
     assert_eq!(first_offers_by_key(&broker)["a"], ["a1", "a2"]);
 }
 
-/// Shutdown with three batches between claim and settled (one at the broker, two queued):
-/// the one at the broker is completed, the queued ones are released, the unclaimed rows stay
-/// untouched, and another relay then publishes everything exactly once more.
+/// Shutdown with three batches at the broker at once (depth 3): all three finish and are
+/// completed, the unclaimed rows stay untouched, and another relay then publishes the rest once.
 #[tokio::test]
 async fn shutdown_with_batches_in_flight_loses_nothing() {
     let (_clock, store, broker) = setup().await;
@@ -787,30 +847,28 @@ async fn shutdown_with_batches_in_flight_loses_nothing() {
         let relay = relay.clone();
         async move { relay.run().await.unwrap() }
     });
-    within("the first batch reaching the broker", gate.started.notified()).await;
-    wait_until(|| relay.totals().claimed == 6).await;
+    wait_until(|| flaky.batches().len() == 3).await;
+    assert_eq!(relay.totals().claimed, 6, "no fourth claim while three batches are in flight");
     relay.shutdown_handle().trigger();
-    gate.open.add_permits(1);
+    gate.open.add_permits(3);
     let totals = within("the relay stopping", running).await.unwrap();
-    assert_eq!((totals.claimed, totals.published, totals.released, totals.fenced), (6, 2, 4, 0), "{totals:?}");
-    assert_eq!(flaky.batches(), [vec!["e1", "e2"]], "queued batches are never handed to the broker");
+    assert_eq!((totals.claimed, totals.published, totals.released, totals.fenced), (6, 6, 0, 0), "{totals:?}");
+    assert_eq!(flaky.batches(), [vec!["e1", "e2"], vec!["e3", "e4"], vec!["e5", "e6"]]);
 
     let rows = all_rows(&store).await.unwrap();
     for r in &rows {
         let n: usize = r.event.id.as_str()[1..].parse().unwrap();
-        let (status, token) = match n {
-            1 | 2 => (RowStatus::Published, 1),
-            3..=6 => (RowStatus::Pending, 1),
-            _ => (RowStatus::Pending, 0),
-        };
+        let (status, token) = if n <= 6 { (RowStatus::Published, 1) } else { (RowStatus::Pending, 0) };
         assert_eq!((r.status, r.token, r.attempts), (status, token, 0), "{r:?}");
         if status == RowStatus::Pending {
             assert_eq!(r.owner, None, "no lease left behind: {r:?}");
         }
     }
     let other = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("r2"));
-    assert_eq!(other.drain().await.unwrap().published, 6);
-    assert_eq!(log_ids(&broker), (1..=8).map(|i| format!("e{i}")).collect::<Vec<_>>(), "each once, in order");
+    assert_eq!(other.drain().await.unwrap().published, 2);
+    let mut ids = log_ids(&broker);
+    ids.sort();
+    assert_eq!(ids, (1..=8).map(|i| format!("e{i}")).collect::<Vec<_>>(), "each once");
 }
 
 /// A `metrics` recorder that keeps every counter and histogram, keyed `name{label=value,...}`.

@@ -7,7 +7,7 @@
 //! that does that work without the library (the same `UPDATE … FOR UPDATE SKIP LOCKED` claim and
 //! fenced completion, the broker's own batching with the same acknowledgement), measured on the
 //! same servers minutes apart, and judged by the ratio. The subjects and goals are those of
-//! issue 14 (P1–P7); `docs/bench.md` holds the latest table.
+//! issue 14 (P1–P7) and issue 16 (P8); `docs/bench.md` holds the latest table.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -25,7 +25,7 @@ use report::Row;
 /// Flags of `outbox bench`.
 #[derive(clap::Args)]
 pub(crate) struct BenchArgs {
-    /// Subjects to run, comma-separated (default: all of P1..P7).
+    /// Subjects to run, comma-separated (default: all of P1..P8).
     #[arg(long, value_delimiter = ',', value_name = "LIST")]
     only: Vec<Subject>,
     /// Backlog per measurement: rows in the outbox (P1–P5, P7 per relay count) or messages on

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_broker_amqp::{AmqpBroker, AmqpConfig, QueueType};
@@ -14,23 +13,12 @@ use outbox_core::{
     Relay, RelayConfig, Retry, RowStatus, Subscription, SystemClock,
 };
 
+mod common;
+use common::{server, unique, url};
+
 const WAIT: Duration = Duration::from_secs(10);
 /// How long a test waits to conclude that nothing more arrives.
 const QUIET: Duration = Duration::from_millis(1500);
-
-fn server() -> bool {
-    outbox_conformance_tests::require_service("RabbitMQ", "rabbitmq", &outbox_conformance_tests::service_addr(&url()))
-}
-
-fn url() -> String {
-    outbox_conformance_tests::amqp_url()
-}
-
-fn unique(tag: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-    format!("t{}-{nanos:x}-{}-{tag}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
-}
 
 /// A broker with its own names; deletes its exchange and queues on drop.
 struct Fixture {

@@ -4,7 +4,6 @@
 //! exchange and queue names and deletes them when it ends (also when it fails).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
@@ -13,22 +12,11 @@ use lapin::{Connection, ConnectionProperties};
 use outbox_broker_amqp::{AmqpBroker, AmqpConfig, RoutingKey};
 use outbox_core::{Broker, ConsumerGroup, Destination, ErrorKind, Event, EventId, Subscription};
 
+mod common;
+use common::{server, unique, url};
+
 /// Longest wait for the deliveries of one test.
 const WAIT: Duration = Duration::from_secs(10);
-
-fn server() -> bool {
-    outbox_conformance_tests::require_service("RabbitMQ", "rabbitmq", &outbox_conformance_tests::service_addr(&url()))
-}
-
-fn url() -> String {
-    outbox_conformance_tests::amqp_url()
-}
-
-fn unique(tag: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-    format!("b{}-{nanos:x}-{}-{tag}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
-}
 
 /// A broker with its own names; deletes its exchanges and queues on drop.
 struct Fixture {

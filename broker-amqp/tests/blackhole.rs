@@ -9,13 +9,16 @@ use std::future::Future;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_broker_amqp::{AmqpBroker, AmqpConfig};
 use outbox_core::{Broker, ConsumerGroup, Destination, ErrorKind, Event, EventId, Retry};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
+
+mod common;
+use common::{server, unique, url};
 
 /// The adapter's confirm and connect timeouts in this test.
 const CONFIRM: Duration = Duration::from_secs(1);
@@ -26,20 +29,6 @@ const BOUND: Duration = Duration::from_secs(1 + 1 + 5);
 const WAIT: Duration = Duration::from_secs(10);
 /// Publishes tried after the black hole ends before the test gives up.
 const RECOVERY_ATTEMPTS: usize = 5;
-
-fn server() -> bool {
-    outbox_conformance_tests::require_service("RabbitMQ", "rabbitmq", &outbox_conformance_tests::service_addr(&url()))
-}
-
-fn url() -> String {
-    outbox_conformance_tests::amqp_url()
-}
-
-fn unique(tag: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-    format!("h{}-{nanos:x}-{}-{tag}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
-}
 
 /// `url` with its host and port replaced by `addr` (user, vhost and query kept). With `amqps://`
 /// the server's certificate would not match 127.0.0.1: this test is for plain `amqp://`.
@@ -167,11 +156,18 @@ async fn bounded<T>(what: &str, limit: Duration, f: impl Future<Output = T>) -> 
     out
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_black_holed_connection_never_hangs_a_publish_and_a_new_one_recovers() {
-    if !server() {
-        return;
-    }
+/// One test's world: the proxy, a broker through it and one direct (both with the short
+/// timeouts above), a fresh destination and group, deleted when the world drops.
+struct World {
+    proxy: BlackHoleProxy,
+    proxied: AmqpBroker,
+    direct: AmqpBroker,
+    destination: Destination,
+    group: ConsumerGroup,
+    _cleanup: Cleanup,
+}
+
+async fn world(tag: &str) -> World {
     let upstream = tokio::net::lookup_host(outbox_conformance_tests::service_addr(&url()))
         .await
         .expect("resolve the RabbitMQ address")
@@ -192,17 +188,26 @@ async fn a_black_holed_connection_never_hangs_a_publish_and_a_new_one_recovers()
     };
     let proxied = AmqpBroker::new(config(&via(&url(), proxy.addr)));
     let direct = AmqpBroker::new(config(&url()));
-    let destination = Destination::new(unique("blackhole")).unwrap();
+    let destination = Destination::new(unique(tag)).unwrap();
     let group = ConsumerGroup::new("readers").unwrap();
     let _cleanup = Cleanup { config: direct.config().clone(), destination: destination.clone(), group: group.clone() };
+    bounded("declare through the proxy", WAIT, proxied.declare(&destination, std::slice::from_ref(&group)))
+        .await
+        .expect("declare through the proxy");
+    World { proxy, proxied, direct, destination, group, _cleanup }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_connection_never_hangs_a_publish_and_a_new_one_recovers() {
+    if !server() {
+        return;
+    }
+    let World { proxy, proxied, direct, destination, group, _cleanup } = world("blackhole").await;
     let event =
         |id: &str| Event::new(EventId::new(id).unwrap(), destination.clone(), format!("payload {id}").into_bytes());
     // What each publish returned, by event id: Ok, or the error's retry class.
     let mut outcomes: HashMap<String, Result<(), Retry>> = HashMap::new();
 
-    bounded("declare through the proxy", WAIT, proxied.declare(&destination, std::slice::from_ref(&group)))
-        .await
-        .expect("declare through the proxy");
     bounded("publish before the black hole", WAIT, proxied.publish(&event("before")))
         .await
         .expect("publish before the black hole");
@@ -301,31 +306,9 @@ async fn closing_a_black_holed_broker_never_hangs() {
     if !server() {
         return;
     }
-    let upstream = tokio::net::lookup_host(outbox_conformance_tests::service_addr(&url()))
-        .await
-        .expect("resolve the RabbitMQ address")
-        .next()
-        .expect("RabbitMQ has an address");
-    let proxy = BlackHoleProxy::start(upstream).await;
-    let config = |url: &str| {
-        AmqpConfig::from_url(url)
-            .unwrap()
-            .with_exchange_prefix("outbox-test.")
-            .unwrap()
-            .with_queue_prefix("outbox-test.")
-            .unwrap()
-            .with_connect_timeout(CONNECT)
-            .unwrap()
-    };
-    let proxied = AmqpBroker::new(config(&via(&url(), proxy.addr)));
-    let direct = AmqpBroker::new(config(&url()));
-    let destination = Destination::new(unique("close")).unwrap();
-    let group = ConsumerGroup::new("readers").unwrap();
-    let _cleanup = Cleanup { config: direct.config().clone(), destination: destination.clone(), group: group.clone() };
+    let World { proxy, proxied, direct, destination, group, _cleanup } = world("close").await;
+    // Both connections (publish and consume) open, so `close` has two handshakes to give up.
     bounded("connect through the proxy", WAIT, proxied.connect()).await.expect("connect through the proxy");
-    bounded("declare through the proxy", WAIT, proxied.declare(&destination, std::slice::from_ref(&group)))
-        .await
-        .expect("declare through the proxy");
     let event = Event::new(EventId::new("before-close").unwrap(), destination.clone(), b"x".to_vec());
     bounded("publish before the black hole", WAIT, proxied.publish(&event))
         .await

@@ -222,7 +222,7 @@ fn empty() -> FieldTable {
 fn close_connection(conn: Arc<Connection>) {
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         handle.spawn(async move {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), conn.close(320, "no reply".into())).await;
+            let _ = tokio::time::timeout(BACKGROUND_CLOSE_LIMIT, conn.close(320, "no reply".into())).await;
         });
     }
 }
@@ -234,13 +234,13 @@ pub(crate) fn close(channel: Channel) {
         handle.spawn(async move {
             // Bounded: on a dead connection the reply never comes (the connection's own reopening
             // is decided elsewhere).
-            let _ = tokio::time::timeout(CHANNEL_CLOSE_LIMIT, channel.close(200, "OK".into())).await;
+            let _ = tokio::time::timeout(BACKGROUND_CLOSE_LIMIT, channel.close(200, "OK".into())).await;
         });
     }
 }
 
-/// Longest wait for the reply to a background `channel.close`.
-const CHANNEL_CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Longest wait for the reply to a background `connection.close` or `channel.close`.
+const BACKGROUND_CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Checked before anything is sent: an oversized content header is a connection-level
 /// FRAME_ERROR that would take down every channel sharing the connection.

@@ -50,6 +50,10 @@ pub enum Mutant {
     /// the whole prefix: a row blocked in the middle of a key holds back the row after it, but
     /// not the rows after that.
     ClaimChecksHeadAndPredecessorOnly,
+    /// Claim that lets a later row of a key overtake an earlier row that is leased (in flight at
+    /// another batch or relay), while still holding it back behind a parked or backing-off one:
+    /// harmless to a relay that publishes one batch at a time, wrong once batches overlap.
+    ClaimIgnoresLeasedEarlierRow,
     /// Retention that deletes parked rows (dead letters awaiting an operator) along with old
     /// published ones.
     PurgeTakesParked,
@@ -98,13 +102,14 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 25] = [
+    pub const ALL: [Mutant; 26] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
         Mutant::ClaimIgnoresKeyOrder,
         Mutant::ClaimSkipsParkedHead,
         Mutant::ClaimChecksHeadAndPredecessorOnly,
+        Mutant::ClaimIgnoresLeasedEarlierRow,
         Mutant::PurgeTakesParked,
         Mutant::PublishedOnClaim,
         Mutant::MarkerFirst,
@@ -169,6 +174,9 @@ impl fmt::Display for Mutant {
             Self::ClaimChecksHeadAndPredecessorOnly => {
                 "claim that checks only a key's head and the row's predecessor (a row blocked mid-key is overtaken)"
             }
+            Self::ClaimIgnoresLeasedEarlierRow => {
+                "claim that lets a later row of a key overtake an earlier row still leased (in flight)"
+            }
             Self::PurgeTakesParked => "retention that deletes parked rows too",
             Self::PublishedOnClaim => "mark published before publishing",
             Self::MarkerFirst => "marker and effect in separate transactions (marker first)",
@@ -217,6 +225,8 @@ impl MutantStore {
     /// [`Mutant::ClaimChecksHeadAndPredecessorOnly`]: of the rows the key-blind inner claim took,
     /// release those whose key's head or direct predecessor (in `before`, the rows as the claim
     /// found them) is blocked: leased, parked or backing off.
+    /// [`Mutant::ClaimIgnoresLeasedEarlierRow`]: release those with any earlier row of their key
+    /// parked or backing off; a leased one does not count.
     async fn head_and_predecessor_only(
         &self,
         claimed: Vec<Claimed>,
@@ -227,8 +237,10 @@ impl MutantStore {
         let mut kept = Vec::with_capacity(claimed.len());
         for c in claimed {
             let now = c.lease.expires_at.as_millis().saturating_sub(i64::try_from(lease.as_millis()).unwrap_or(0));
+            let leased_blocks = self.mode != Mutant::ClaimIgnoresLeasedEarlierRow;
             let blocked = |r: &RowSnapshot| match r.status {
-                RowStatus::Leased | RowStatus::Parked => true,
+                RowStatus::Leased => leased_blocks,
+                RowStatus::Parked => true,
                 RowStatus::Pending => r.available_at.as_millis() > now,
                 RowStatus::Published => false,
             };
@@ -243,7 +255,12 @@ impl MutantStore {
                     .collect(),
                 None => Vec::new(),
             };
-            if earlier.first().is_some_and(|r| blocked(r)) || earlier.last().is_some_and(|r| blocked(r)) {
+            let holds_back = if leased_blocks {
+                earlier.first().is_some_and(|r| blocked(r)) || earlier.last().is_some_and(|r| blocked(r))
+            } else {
+                earlier.iter().any(|r| blocked(r))
+            };
+            if holds_back {
                 let _ = self.inner.release(c.record.row_id, &c.lease).await?;
             } else {
                 kept.push(c);
@@ -284,7 +301,12 @@ impl OutboxStore for MutantStore {
     }
 
     async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
-        if !matches!(self.mode, Mutant::ClaimIgnoresKeyOrder | Mutant::ClaimChecksHeadAndPredecessorOnly) {
+        if !matches!(
+            self.mode,
+            Mutant::ClaimIgnoresKeyOrder
+                | Mutant::ClaimChecksHeadAndPredecessorOnly
+                | Mutant::ClaimIgnoresLeasedEarlierRow
+        ) {
             return self.inner.enqueue(events).await;
         }
         let keyless: Vec<Event> = events.iter().map(|e| Event { key: None, ..e.clone() }).collect();
@@ -308,13 +330,11 @@ impl OutboxStore for MutantStore {
                 }
             }
         }
-        let before = if self.mode == Mutant::ClaimChecksHeadAndPredecessorOnly {
-            all_rows(&self.inner).await?
-        } else {
-            Vec::new()
-        };
+        let filtered =
+            matches!(self.mode, Mutant::ClaimChecksHeadAndPredecessorOnly | Mutant::ClaimIgnoresLeasedEarlierRow);
+        let before = if filtered { all_rows(&self.inner).await? } else { Vec::new() };
         let mut claimed = self.inner.claim(owner, limit, lease).await?;
-        if self.mode == Mutant::ClaimChecksHeadAndPredecessorOnly {
+        if filtered {
             claimed = self.head_and_predecessor_only(claimed, &before, lease).await?;
         }
         match self.mode {

@@ -54,6 +54,10 @@ pub enum Mutant {
     /// another batch or relay), while still holding it back behind a parked or backing-off one:
     /// harmless to a relay that publishes one batch at a time, wrong once batches overlap.
     ClaimIgnoresLeasedEarlierRow,
+    /// Claim that holds back every row of a key with a row leased, parked or backing off, the
+    /// rows before that row too: a shortcut over a list of held keys that forgets where in the
+    /// key the holding row is.
+    ClaimHeldRowHoldsWholeKey,
     /// Retention that deletes parked rows (dead letters awaiting an operator) along with old
     /// published ones.
     PurgeTakesParked,
@@ -102,7 +106,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 26] = [
+    pub const ALL: [Mutant; 27] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -110,6 +114,7 @@ impl Mutant {
         Mutant::ClaimSkipsParkedHead,
         Mutant::ClaimChecksHeadAndPredecessorOnly,
         Mutant::ClaimIgnoresLeasedEarlierRow,
+        Mutant::ClaimHeldRowHoldsWholeKey,
         Mutant::PurgeTakesParked,
         Mutant::PublishedOnClaim,
         Mutant::MarkerFirst,
@@ -177,6 +182,9 @@ impl fmt::Display for Mutant {
             Self::ClaimIgnoresLeasedEarlierRow => {
                 "claim that lets a later row of a key overtake an earlier row still leased (in flight)"
             }
+            Self::ClaimHeldRowHoldsWholeKey => {
+                "claim that holds back a whole key behind a held row (rows before it too)"
+            }
             Self::PurgeTakesParked => "retention that deletes parked rows too",
             Self::PublishedOnClaim => "mark published before publishing",
             Self::MarkerFirst => "marker and effect in separate transactions (marker first)",
@@ -227,6 +235,8 @@ impl MutantStore {
     /// found them) is blocked: leased, parked or backing off.
     /// [`Mutant::ClaimIgnoresLeasedEarlierRow`]: release those with any earlier row of their key
     /// parked or backing off; a leased one does not count.
+    /// [`Mutant::ClaimHeldRowHoldsWholeKey`]: release those with any other row of their key
+    /// blocked, before or after them.
     async fn head_and_predecessor_only(
         &self,
         claimed: Vec<Claimed>,
@@ -244,18 +254,19 @@ impl MutantStore {
                 RowStatus::Pending => r.available_at.as_millis() > now,
                 RowStatus::Published => false,
             };
+            let whole_key = self.mode == Mutant::ClaimHeldRowHoldsWholeKey;
             let earlier: Vec<&RowSnapshot> = match keys.get(&c.record.event.id) {
                 Some(k) => before
                     .iter()
                     .filter(|r| {
-                        r.row_id < c.record.row_id
+                        (r.row_id < c.record.row_id || whole_key && r.row_id != c.record.row_id)
                             && r.status != RowStatus::Published
                             && keys.get(&r.event.id) == Some(k)
                     })
                     .collect(),
                 None => Vec::new(),
             };
-            let holds_back = if leased_blocks {
+            let holds_back = if leased_blocks && !whole_key {
                 earlier.first().is_some_and(|r| blocked(r)) || earlier.last().is_some_and(|r| blocked(r))
             } else {
                 earlier.iter().any(|r| blocked(r))
@@ -306,6 +317,7 @@ impl OutboxStore for MutantStore {
             Mutant::ClaimIgnoresKeyOrder
                 | Mutant::ClaimChecksHeadAndPredecessorOnly
                 | Mutant::ClaimIgnoresLeasedEarlierRow
+                | Mutant::ClaimHeldRowHoldsWholeKey
         ) {
             return self.inner.enqueue(events).await;
         }
@@ -330,8 +342,12 @@ impl OutboxStore for MutantStore {
                 }
             }
         }
-        let filtered =
-            matches!(self.mode, Mutant::ClaimChecksHeadAndPredecessorOnly | Mutant::ClaimIgnoresLeasedEarlierRow);
+        let filtered = matches!(
+            self.mode,
+            Mutant::ClaimChecksHeadAndPredecessorOnly
+                | Mutant::ClaimIgnoresLeasedEarlierRow
+                | Mutant::ClaimHeldRowHoldsWholeKey
+        );
         let before = if filtered { all_rows(&self.inner).await? } else { Vec::new() };
         let mut claimed = self.inner.claim(owner, limit, lease).await?;
         if filtered {

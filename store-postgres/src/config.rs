@@ -35,6 +35,7 @@ pub(crate) const DERIVED_SUFFIXES: &[&str] = &[
     "events_claimable",
     "events_parked",
     "events_key_open",
+    "events_key_held",
     "events_published",
     "schema_version",
     "schema_version_pkey",

@@ -48,7 +48,9 @@ fn columns(alias: &str) -> String {
 /// - 2: consumer dead letters keep the whole event (`destination`, `key`, `headers`).
 /// - 3: an index on `published_at` of published rows, for retention (`purge_published`).
 /// - 4: an index on `(key, id)` of unpublished keyed rows, for the claim's key order.
-pub const SCHEMA_VERSION: i32 = 4;
+/// - 5: an index on `(key, id)` of unpublished keyed rows that are or were leased, have failed or
+///   are parked, so the claim finds the keys held back without probing every candidate.
+pub const SCHEMA_VERSION: i32 = 5;
 
 /// Generated statement texts.
 #[derive(Debug, Clone)]
@@ -360,6 +362,14 @@ ALTER TABLE {dead} ALTER COLUMN destination DROP DEFAULT, ALTER COLUMN headers D
             events_key_open = n("events_key_open"),
         );
 
+        // The claim reads the keys held back from the few rows that can hold one (see `held`),
+        // instead of probing each candidate's head and predecessor.
+        let v5 = format!(
+            "CREATE INDEX {events_key_held} ON {events} (key, id) WHERE {held};",
+            events_key_held = n("events_key_held"),
+            held = held(""),
+        );
+
         // Notified at commit (never on rollback) to wake relays; see `crate::notify`.
         let channel = crate::notify::channel_name(schema, p);
         Self {
@@ -488,64 +498,92 @@ SELECT count(*) FROM gone"
             )),
             version_read: s(format!("SELECT max(version) FROM {version}")),
             version_insert_row: s(format!("INSERT INTO {version} (version) VALUES ($1)")),
-            migrations: vec![(1, s(v1)), (2, s(v2)), (3, s(v3)), (4, s(v4))],
+            migrations: vec![(1, s(v1)), (2, s(v2)), (3, s(v3)), (4, s(v4)), (5, s(v5))],
         }
     }
+}
+
+/// The rows that may hold back the later rows of their key: unpublished keyed rows that are or
+/// were leased, have failed, or are parked (the predicate of `events_key_held`, migration 5, with
+/// columns prefixed by `a`). A fresh row is due and unleased, so it never holds a key back; a row
+/// that left the index (published) never does either. The index stays as small as the rows in
+/// flight plus the failed and parked ones, whatever the backlog.
+fn held(a: &str) -> String {
+    format!(
+        "{a}published_at IS NULL AND {a}key IS NOT NULL \
+         AND ({a}lease_expires_at IS NOT NULL OR {a}attempts > 0 OR {a}parked_at IS NOT NULL)"
+    )
 }
 
 /// The claim statement: `$1` now in ms (`NULL`: database clock), `$2` limit, `$3` owner, `$4`
 /// lease in ms.
 ///
-/// Key order (see [`OutboxStore::claim`](outbox_core::OutboxStore::claim)) in two steps, so that
-/// the cost follows the batch, not a key's backlog:
+/// Key order (see [`OutboxStore::claim`](outbox_core::OutboxStore::claim)) in three steps, so that
+/// the cost follows the batch and the rows in flight, not a key's backlog:
 ///
-/// 1. `c` walks the open rows in id order (the `events_claimable` index) and takes, with
-///    `FOR UPDATE SKIP LOCKED`, the first `$2` that are due, unleased, and whose key's head (its
-///    oldest unpublished row) and predecessor (its previous unpublished row) are not blocked —
-///    two one-entry probes of `events_key_open`. This keeps the rows of a key stuck behind a
-///    backing-off, leased or parked head out of the batch, so they cannot crowd out other keys.
-/// 2. `ok` keeps a row of `c` only if every earlier unpublished row of its key is in `c` too: per
-///    key of the batch, the first unpublished row that is not in `c` (the "gap": a row blocked in
-///    the middle of a key, skipped because another claim holds its lock, or changed since the
-///    statement's snapshot) drops the key's rows after it. Rows `c` locked but `ok` dropped are
-///    left unchanged and unlocked when the statement ends.
+/// 1. `b` lists the keys held back now and, per key, its first holding row: a leased row, a row
+///    backing off, and under [`ParkedHead::Block`] a parked row — read from `events_key_held`,
+///    which holds only rows in flight, failed or parked. `bh` keeps the keys whose first holding
+///    row is their head (no earlier unpublished row; one probe of `events_key_open` per held key):
+///    every other row of such a key comes after it.
+/// 2. `c` walks the open rows in id order (the `events_claimable` index) and takes, with
+///    `FOR UPDATE SKIP LOCKED`, the first `$2` that are due, unleased, and not held back: a row
+///    whose key is not in `b` passes on a hash lookup, a row whose key is in `bh` is dropped on
+///    one, and only a row whose key's first holding row is not its head pays an index probe
+///    (is a holding row of its key before it?). This keeps the rows of a held key out of the
+///    batch, so they cannot crowd out other keys, and when every key's head is in flight (a
+///    deep pipeline over few keys) the walk costs a hash lookup per row, not two probes.
+/// 3. `ok` keeps a row of `c` only if every earlier unpublished row of its key is in `c` too: per
+///    key of the batch, the first unpublished row that is not in `c` (the "gap": a row skipped
+///    because another claim holds its lock, or changed since the statement's snapshot) drops the
+///    key's rows after it. Rows `c` locked but `ok` dropped are left unchanged and unlocked when
+///    the statement ends. This step alone makes the claim correct; the first two only keep
+///    held rows from filling the batch.
 ///
-/// Rows without a key skip both checks. Under [`ParkedHead::Skip`] parked rows are left out of a
-/// key's chain (the probes step over them); under `Block` a parked row blocks like a leased one.
-/// The probes use row comparisons on `(key, id)` so that only `events_key_open` can serve them
-/// (a plain `key = …` probe may be planned on the primary key, walking every published row).
+/// Rows without a key skip every check. Under [`ParkedHead::Skip`] parked rows are left out of a
+/// key's chain (they neither hold a key back nor count as its head); under `Block` a parked row
+/// holds its key back like a leased one. The probes of `events_key_open` use row comparisons on
+/// `(key, id)` so that only that index can serve them (a plain `key = …` probe may be planned on
+/// the primary key, walking every published row).
 fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
-    let (chain, parked_blocks) = match parked_head {
+    let (chain, parked_holds) = match parked_head {
         ParkedHead::Block => ("", "{a}.parked_at IS NOT NULL OR "),
         ParkedHead::Skip => ("AND {a}.parked_at IS NULL", ""),
     };
     let chain = |a: &str| chain.replace("{a}", a);
-    let blocked = |a: &str| {
-        format!("{}{a}.available_at > {NOW} OR {a}.lease_expires_at > {NOW}", parked_blocks.replace("{a}", a))
+    let holds = |a: &str| {
+        format!(
+            "{} AND ({}{a}.available_at > {NOW} OR {a}.lease_expires_at > {NOW}) {}",
+            held(&format!("{a}.")),
+            parked_holds.replace("{a}", a),
+            chain(a)
+        )
     };
-    let (chain_h, chain_p, chain_e) = (chain("h"), chain("p"), chain("e"));
-    let (blocked_h, blocked_p) = (blocked("h"), blocked("p"));
+    let (holds_h, holds_r) = (holds("h"), holds("r"));
+    let (chain_p, chain_e) = (chain("p"), chain("e"));
     format!(
-        "WITH c AS (
+        "WITH b AS MATERIALIZED (
+    SELECT DISTINCT ON (h.key) h.key, h.id FROM {events} h
+    WHERE {holds_h}
+    ORDER BY h.key, h.id
+), bh AS MATERIALIZED (
+    SELECT b.key FROM b WHERE NOT EXISTS (
+        SELECT 1 FROM (
+            SELECT p.key FROM {events} p
+            WHERE (p.key, p.id) < (b.key, b.id) AND p.key IS NOT NULL AND p.published_at IS NULL {chain_p}
+            ORDER BY p.key DESC, p.id DESC LIMIT 1
+        ) p
+        WHERE p.key = b.key
+    )
+), c AS (
     SELECT t.id, t.key FROM {events} t
     WHERE t.published_at IS NULL AND t.parked_at IS NULL
       AND t.available_at <= {NOW}
       AND (t.lease_expires_at IS NULL OR t.lease_expires_at <= {NOW})
-      AND (t.key IS NULL OR NOT EXISTS (
-          SELECT 1 FROM (
-              SELECT h.id, h.key, h.parked_at, h.available_at, h.lease_expires_at FROM {events} h
-              WHERE (h.key, h.id) > (t.key, 0::bigint) AND h.key IS NOT NULL AND h.published_at IS NULL {chain_h}
-              ORDER BY h.key, h.id LIMIT 1
-          ) h
-          WHERE h.key = t.key AND h.id < t.id AND ({blocked_h})
-      ) AND NOT EXISTS (
-          SELECT 1 FROM (
-              SELECT p.key, p.parked_at, p.available_at, p.lease_expires_at FROM {events} p
-              WHERE (p.key, p.id) < (t.key, t.id) AND p.key IS NOT NULL AND p.published_at IS NULL {chain_p}
-              ORDER BY p.key DESC, p.id DESC LIMIT 1
-          ) p
-          WHERE p.key = t.key AND ({blocked_p})
-      ))
+      AND (t.key IS NULL OR t.key NOT IN (SELECT key FROM b) OR (
+          t.key NOT IN (SELECT key FROM bh) AND NOT EXISTS (
+              SELECT 1 FROM {events} r WHERE r.key = t.key AND r.id < t.id AND {holds_r}
+          )))
     ORDER BY t.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED

@@ -99,12 +99,14 @@ async fn keyed_claim_plan_uses_indexes_only() {
     };
     let claimable = format!("{}events_claimable", tables.prefix());
     let key_open = format!("{}events_key_open", tables.prefix());
+    let key_held = format!("{}events_key_held", tables.prefix());
     for limit in [100_i64, 500] {
         let plan = claim(limit).fetch_all(db.store.pool()).await.unwrap().join("\n");
         println!("-- EXPLAIN of the keyed claim, limit {limit}\n{plan}");
         assert!(!plan.contains("Seq Scan"), "a sequential scan in the claim plan:\n{plan}");
         assert!(plan.contains(&format!("Index Scan using {claimable}")), "{claimable} not used:\n{plan}");
         assert!(plan.contains(&key_open), "{key_open} not used:\n{plan}");
+        assert!(plan.contains(&key_held), "{key_held} not used:\n{plan}");
     }
 
     // Executed and rolled back: the blocked keys' later rows are not taken.
@@ -137,4 +139,61 @@ async fn keyed_claim_plan_uses_indexes_only() {
     println!("-- generic plan of the keyed claim\n{generic}");
     assert!(!generic.contains("Seq Scan"), "generic plan:\n{generic}");
     assert!(generic.contains(&key_open), "generic plan:\n{generic}");
+    assert!(generic.contains(&key_held), "generic plan:\n{generic}");
+}
+
+/// A deep pipeline over few keys: once every key's head is in flight, the rest of the backlog
+/// waits behind them, and a claim must find that out without probing an index per row. 20,000
+/// pending rows of 50 keys; a claim of 50 leases every key's head; the next claim takes nothing,
+/// and its plan never runs the per-row probe of `events_key_held` (every key is held at its
+/// head, so each row is dropped on a hash lookup).
+#[tokio::test]
+async fn claim_behind_every_head_in_flight_probes_no_index_per_row() {
+    let Some(db) = TestDb::new("explain_heads").await else { return };
+    let tables = db.store.tables();
+    let events = tables.table("events").unwrap();
+    db.exec(format!(
+        "INSERT INTO {events} (event_id, destination, key, headers, payload, available_at, created_at)
+         SELECT 'pend-' || g, 'orders', 'k' || (g % 50), '\\x0100000000'::bytea, convert_to('payload ' || g, 'UTF8'), 0, 0
+         FROM generate_series(1, 20000) g;
+         ANALYZE {events};"
+    ))
+    .await;
+    let lease = std::time::Duration::from_secs(60);
+    let first = outbox_core::OutboxStore::claim(&db.store, "relay-a", 50, lease).await.unwrap();
+    let keys: std::collections::BTreeSet<_> = first.iter().filter_map(|c| c.record.event.key.clone()).collect();
+    assert_eq!((first.len(), keys.len()), (50, 50), "the first claim should take one head per key");
+    let second = outbox_core::OutboxStore::claim(&db.store, "relay-b", 100, lease).await.unwrap();
+    let taken: Vec<_> = second.iter().map(|c| (c.record.row_id, c.record.event.key.clone())).collect();
+    assert!(taken.is_empty(), "a claim took rows behind their keys' leased heads: {taken:?}");
+    // Read back: the 50 leased rows are the heads (the oldest row of each key), nothing else.
+    let leased = db
+        .count(format!(
+            "SELECT count(*) FROM {events} t WHERE t.owner IS NOT NULL AND t.owner = 'relay-a'
+               AND t.id = (SELECT min(id) FROM {events} h WHERE h.key = t.key)"
+        ))
+        .await;
+    let any = db.count(format!("SELECT count(*) FROM {events} WHERE owner IS NOT NULL")).await;
+    assert_eq!((leased, any), (50, 50), "leased heads, leased rows");
+
+    let mut tx = db.store.pool().begin().await.unwrap();
+    let analyzed: Vec<String> =
+        sqlx::query_scalar(AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) {}", tables.claim_sql())))
+            .bind(None::<i64>)
+            .bind(100_i64)
+            .bind("relay-explain")
+            .bind(30_000_i64)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    let analyzed = analyzed.join("\n");
+    println!("-- EXPLAIN (ANALYZE, BUFFERS) of a claim behind every head in flight, rolled back\n{analyzed}");
+    let held = format!("{}events_key_held", tables.prefix());
+    let probe = analyzed
+        .lines()
+        .find(|l| l.contains(&format!("using {held} on {}events r", tables.prefix())))
+        .unwrap_or_else(|| panic!("no per-row probe of {held} in the plan:\n{analyzed}"));
+    assert!(probe.contains("never executed"), "the per-row probe ran: {probe}\n{analyzed}");
+    assert!(!analyzed.contains("Seq Scan"), "{analyzed}");
 }

@@ -132,6 +132,12 @@ impl Env {
         Ok((self.broker.name().to_string(), down))
     }
 
+    /// The broker's own failure since its last start, if its log shows one (see
+    /// [`Server::failed_internally`](super::servers::Server::failed_internally)).
+    pub(crate) fn broker_failed_internally(&self) -> Option<String> {
+        self.broker.failed_internally()
+    }
+
     /// Restart PostgreSQL; its name and downtime.
     pub(crate) async fn restart_pg(&self) -> Result<(String, Duration)> {
         let pg = self.pg.as_ref().ok_or_else(|| Error::invalid_input("chaos", "this combination has no PostgreSQL"))?;

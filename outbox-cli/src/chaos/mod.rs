@@ -278,6 +278,9 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
                 r.name, g.dead_letter_records, g.dead_lettered
             );
         }
+        for h in &r.broker_heals {
+            println!("{}: NOTE: broker restarted by the drain: {h}", r.name);
+        }
         for p in &r.problems {
             println!("{}: FAIL: {p}", r.name);
         }

@@ -155,6 +155,9 @@ pub(crate) struct ComboReport {
     /// Published rows the relays' retention deleted during the run (long profile); the judge
     /// read them from the runner's snapshots.
     pub(crate) purged: u64,
+    /// Restarts of a broker that failed inside (a panicked task) and stopped serving, made by
+    /// the drain so the contract can be judged: what failed, and when.
+    pub(crate) broker_heals: Vec<String>,
     pub(crate) problems: Vec<String>,
     pub(crate) logs: Option<String>,
 }
@@ -505,6 +508,7 @@ pub(crate) fn combo_json(r: &ComboReport) -> Json {
         ("duration_ms", Json::Num(r.duration.as_millis() as i128)),
         ("events", n(r.events)),
         ("purged_by_retention", n(r.purged)),
+        ("broker_heals", Json::Arr(r.broker_heals.iter().map(|h| s(h.clone())).collect())),
         (
             "figures",
             Json::obj(vec![

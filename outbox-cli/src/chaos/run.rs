@@ -250,7 +250,7 @@ async fn play_in(
     // Faults are over: every process up, then drain.
     fleet.start_all_now();
     let drain_deadline = Instant::now() + settings.drain;
-    let drained = drain(&site, &bad, drain_deadline).await;
+    let drained = drain(&site, &bad, env, drain_deadline, &mut report.broker_heals, combo.name).await;
     stop.store(true, Ordering::SeqCst);
     if let Some(s) = sampler {
         report.windows = s.await.map_err(join_error)?;
@@ -572,11 +572,38 @@ async fn execute_faults(
 /// Wait until no row is pending or leased and every row that is neither parked nor
 /// dead-lettered has its effect, and (for at most [`BAD_INPUT_GRACE`] more) until the poison
 /// event and the foreign message have their dead letters. `false` at the deadline.
-async fn drain(site: &Site, bad: &BadInput, deadline: Instant) -> bool {
+/// How many times the drain restarts a broker that failed inside (see [`drain`]).
+const MAX_BROKER_HEALS: usize = 3;
+
+/// Wait until every row is published or parked and every effect applied, at most until
+/// `deadline`. A broker that failed inside and stopped serving (tansu 0.6's storage task can
+/// panic after a SIGKILL, then every produce fails until a restart) is restarted, at most
+/// [`MAX_BROKER_HEALS`] times, as an operator would; each restart is printed and recorded in
+/// `heals`, so a pass that needed one says so.
+async fn drain(
+    site: &Site,
+    bad: &BadInput,
+    env: &Env,
+    deadline: Instant,
+    heals: &mut Vec<String>,
+    combo: &str,
+) -> bool {
     let admin = site.inbox_admin();
     let mut last: String;
     let mut bad_deadline: Option<Instant> = None;
     loop {
+        if heals.len() < MAX_BROKER_HEALS
+            && let Some(why) = env.broker_failed_internally()
+        {
+            let _one_at_a_time = env.broker_lock.lock().await;
+            let outcome = match env.restart_broker().await {
+                Ok((name, down)) => format!("{name} restarted in {down:.1?}"),
+                Err(e) => format!("restart failed: {e}"),
+            };
+            let heal = format!("the broker failed inside ({why}); {outcome}");
+            println!("{combo}: drain: {heal} (a broker bug, not the contract's)");
+            heals.push(heal);
+        }
         let check = async {
             let rows = site.rows().await?;
             let open = rows.values().filter(|r| r.published_ms.is_none() && r.parked.is_none()).count();

@@ -81,6 +81,18 @@ pub(crate) trait Server: Send + Sync {
     /// - not meant to be called concurrently for the same server (calls are serialized where
     ///   the server needs it).
     async fn restart(&self) -> Result<Duration, String>;
+
+    /// Whether the server, though it still answers, failed inside since its last start: the
+    /// line that says so.
+    ///
+    /// # Behavior
+    /// - tansu: a panicked task in its log since the last start (after its storage task
+    ///   panics, tansu 0.6 keeps its port open and answers every produce and fetch with an
+    ///   error, until restarted);
+    /// - the others: never (`None`).
+    fn failed_internally(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; the usual small race applies).
@@ -121,6 +133,38 @@ fn log_tail(path: &Path) -> String {
     let lines: Vec<&str> = text.lines().collect();
     let tail = lines[lines.len().saturating_sub(15)..].join("\n");
     format!("last lines of {}:\n{tail}", path.display())
+}
+
+/// The first Rust panic in `path` after byte `from`: its `panicked at` line and the message on
+/// the line after, without terminal colours. `None` when there is none (or no log).
+fn panic_in_log(path: &Path, from: u64) -> Option<String> {
+    use std::io::{Seek, SeekFrom};
+    let mut file = File::open(path).ok()?;
+    file.seek(SeekFrom::Start(from)).ok()?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).ok()?;
+    let text = String::from_utf8_lossy(&bytes);
+    let mut lines = text.lines();
+    let at = lines.by_ref().find(|l| l.contains("panicked at"))?;
+    let message = lines.next().unwrap_or_default();
+    let plain = |l: &str| {
+        let mut out = String::with_capacity(l.len());
+        let mut chars = l.chars();
+        while let Some(c) = chars.next() {
+            if c == '\u{1b}' {
+                // An ANSI escape: ESC [ … letter.
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        out.trim().to_string()
+    };
+    Some(format!("{}: {}", plain(at), plain(message)))
 }
 
 fn temp_dir(name: &str) -> Result<TempDir, String> {
@@ -270,6 +314,8 @@ struct OwnedProcess {
     probe: Probe,
     ready_limit: Duration,
     log: PathBuf,
+    /// Length of the log when the process last started: what it wrote since is after it.
+    log_start: AtomicU64,
     child: Mutex<Option<Child>>,
     /// Serializes restarts.
     restarting: tokio::sync::Mutex<()>,
@@ -296,6 +342,7 @@ impl OwnedProcess {
             probe,
             ready_limit,
             log,
+            log_start: AtomicU64::new(0),
             child: Mutex::new(None),
             restarting: tokio::sync::Mutex::new(()),
             dir,
@@ -312,6 +359,7 @@ impl OwnedProcess {
             .open(&self.log)
             .map_err(|e| format!("{}: cannot open {}: {e}", self.name, self.log.display()))?;
         let _ = writeln!(&log, "---- chaos runner: starting {} ----", self.name);
+        self.log_start.store(log.metadata().map(|m| m.len()).unwrap_or(0), Ordering::SeqCst);
         let err = log.try_clone().map_err(|e| format!("{}: {e}", self.name))?;
         let child = Command::new(&self.program)
             .args(&self.args)
@@ -345,6 +393,11 @@ impl OwnedProcess {
 
     async fn wait_ready(&self) -> Result<(), String> {
         wait_ready(self.name, self.addr, &self.probe, self.ready_limit, || self.exited(), &self.log).await
+    }
+
+    /// The first panic the process logged since its last start (see [`panic_in_log`]).
+    fn panic_since_start(&self) -> Option<String> {
+        panic_in_log(&self.log, self.log_start.load(Ordering::SeqCst))
     }
 
     async fn restart(&self) -> Result<Duration, String> {
@@ -510,6 +563,10 @@ impl Server for TansuNode {
     /// SIGKILL, start with the same storage, wait for `ApiVersions`.
     async fn restart(&self) -> Result<Duration, String> {
         self.proc.restart().await
+    }
+
+    fn failed_internally(&self) -> Option<String> {
+        self.proc.panic_since_start()
     }
 }
 
@@ -835,6 +892,34 @@ mod tests {
     use outbox_store_postgres::sqlx;
 
     use super::*;
+
+    /// tansu 0.6's storage task panicked in a 30-minute run (its log, colours and all): the
+    /// panic is found after the start it followed, and not before it.
+    #[test]
+    fn a_panic_in_the_log_since_the_last_start_is_found() {
+        let dir = temp_dir("panic-log").unwrap();
+        let log = dir.path().join("kafka.log");
+        let before = "---- chaos runner: starting kafka ----\nthread 'x' panicked at old.rs:1:1:\nold\n";
+        std::fs::write(&log, before).unwrap();
+        let start = before.len() as u64;
+        assert_eq!(panic_in_log(&log, start), None, "an earlier run's panic counts");
+        let mut f = OpenOptions::new().append(true).open(&log).unwrap();
+        write!(
+            f,
+            "\u{1b}[2m2026-12-02T05:00:00Z\u{1b}[0m \u{1b}[31mERROR\u{1b}[0m tansu_storage::lite: err=Api(DuplicateSequenceNumber)\n\n\
+             thread 'tokio-rt-worker' (22893) panicked at tansu-storage-0.6.0/src/lite.rs:503:13:\n\
+             more or less than one row\nstack backtrace:\n"
+        )
+        .unwrap();
+        assert_eq!(
+            panic_in_log(&log, start).as_deref(),
+            Some(
+                "thread 'tokio-rt-worker' (22893) panicked at tansu-storage-0.6.0/src/lite.rs:503:13:: more or less than \
+                 one row"
+            )
+        );
+        assert_eq!(panic_in_log(&dir.path().join("none.log"), 0), None);
+    }
 
     /// A reply of a Redis command, flattened to text (`+OK`, `:3`, `$id`, `*2[...]`).
     fn resp_read(r: &mut impl BufRead) -> String {

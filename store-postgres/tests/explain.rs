@@ -61,6 +61,23 @@ async fn claim_plan_uses_the_partial_index() {
     assert!(generic.contains(&format!("Index Scan using {index}")), "generic plan:\n{generic}");
 }
 
+/// `EXPLAIN (ANALYZE, BUFFERS)` of the store's claim of `limit` rows (database clock), executed
+/// in a transaction that is rolled back: the plan with actual row counts, nothing claimed.
+async fn analyze_claim(db: &TestDb, limit: i64) -> String {
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) {}", db.store.tables().claim_sql());
+    let mut tx = db.store.pool().begin().await.unwrap();
+    let analyzed: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql))
+        .bind(None::<i64>)
+        .bind(limit)
+        .bind("relay-explain")
+        .bind(30_000_i64)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    analyzed.join("\n")
+}
+
 async fn db_exec(conn: &mut sqlx::PgConnection, sql: String) {
     sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await.unwrap();
 }
@@ -110,18 +127,7 @@ async fn keyed_claim_plan_uses_indexes_only() {
     }
 
     // Executed and rolled back: the blocked keys' later rows are not taken.
-    let mut tx = db.store.pool().begin().await.unwrap();
-    let analyzed: Vec<String> =
-        sqlx::query_scalar(AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) {}", tables.claim_sql())))
-            .bind(None::<i64>)
-            .bind(500_i64)
-            .bind("relay-explain")
-            .bind(30_000_i64)
-            .fetch_all(&mut *tx)
-            .await
-            .unwrap();
-    tx.rollback().await.unwrap();
-    let analyzed = analyzed.join("\n");
+    let analyzed = analyze_claim(&db, 500).await;
     println!("-- EXPLAIN (ANALYZE, BUFFERS) of the keyed claim, rolled back\n{analyzed}");
     assert!(!analyzed.contains("Seq Scan"), "{analyzed}");
 
@@ -176,18 +182,7 @@ async fn claim_behind_every_head_in_flight_probes_no_index_per_row() {
     let any = db.count(format!("SELECT count(*) FROM {events} WHERE owner IS NOT NULL")).await;
     assert_eq!((leased, any), (50, 50), "leased heads, leased rows");
 
-    let mut tx = db.store.pool().begin().await.unwrap();
-    let analyzed: Vec<String> =
-        sqlx::query_scalar(AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) {}", tables.claim_sql())))
-            .bind(None::<i64>)
-            .bind(100_i64)
-            .bind("relay-explain")
-            .bind(30_000_i64)
-            .fetch_all(&mut *tx)
-            .await
-            .unwrap();
-    tx.rollback().await.unwrap();
-    let analyzed = analyzed.join("\n");
+    let analyzed = analyze_claim(&db, 100).await;
     println!("-- EXPLAIN (ANALYZE, BUFFERS) of a claim behind every head in flight, rolled back\n{analyzed}");
     let held = format!("{}events_key_held", tables.prefix());
     let probe = analyzed

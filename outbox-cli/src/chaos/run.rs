@@ -569,15 +569,15 @@ async fn execute_faults(
 // ---------------------------------------------------------------------------------------------
 // Drain and audit.
 
-/// Wait until no row is pending or leased and every row that is neither parked nor
-/// dead-lettered has its effect, and (for at most [`BAD_INPUT_GRACE`] more) until the poison
-/// event and the foreign message have their dead letters. `false` at the deadline.
 /// How many times the drain restarts a broker that failed inside (see [`drain`]).
 const MAX_BROKER_HEALS: usize = 3;
 
-/// Wait until every row is published or parked and every effect applied, at most until
-/// `deadline`. A broker that failed inside and stopped serving (tansu 0.6's storage task can
-/// panic after a SIGKILL, then every produce fails until a restart) is restarted, at most
+/// Wait until no row is pending or leased and every row that is neither parked nor
+/// dead-lettered has its effect, and (for at most [`BAD_INPUT_GRACE`] more) until the poison
+/// event and the foreign message have their dead letters; `false` at `deadline`.
+///
+/// A broker that failed inside and stopped serving (tansu 0.6's storage task can panic after a
+/// SIGKILL, then every produce fails until a restart) is restarted, at most
 /// [`MAX_BROKER_HEALS`] times, as an operator would; each restart is printed and recorded in
 /// `heals`, so a pass that needed one says so.
 async fn drain(

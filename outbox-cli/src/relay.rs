@@ -25,7 +25,8 @@ pub(crate) struct RelayArgs {
     /// The broker: `kafka://host:9092`, `amqp://…`, `redis://…` (or `memory://`).
     #[arg(long, env = "OUTBOX_BROKER_URL", hide_env_values = true)]
     broker: String,
-    /// Rows claimed per batch.
+    /// Rows claimed per batch, at most: after a batch outlasted its lease (another relay
+    /// re-claimed it) the relay claims half as many, and grows back as batches fit the lease.
     #[arg(long, allow_negative_numbers = true, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     batch: u32,
     /// Batches between their claim and their recorded outcomes at once: with 2, the next batch

@@ -32,11 +32,22 @@
 //! its lease or more before its publish began is released unpublished (counted as released,
 //! logged as a warning), never published on a lease that may already be gone. With the defaults
 //! (30 s lease, depth 2, batches of 100) that takes a stall of 15 s.
+//!
+//! # Why the batch shrinks
+//!
+//! A batch whose publish outlasts its lease is re-claimed by another relay before its
+//! completions land, and those are fenced. If the next claim asked for as many rows again, the
+//! same batch would outlast the next lease too, and the relays would take it from each other
+//! forever: every publish a duplicate, nothing ever completed (seen with a 200 ms lease and one
+//! key's 41 rows published one after another). So a batch with a fenced transition halves the
+//! size of this relay's next claims (down to one row), and each full batch settled within half
+//! the lease and without one grows it back by a tenth of [`RelayConfig::batch_size`]. The
+//! current size is the gauge `outbox_relay_batch_limit`; a shrink is logged as a warning.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, Semaphore, SemaphorePermit, mpsc};
@@ -131,7 +142,9 @@ impl Backoff {
 pub struct RelayConfig {
     /// Lease owner name; must be unique among live relays.
     pub owner: String,
-    /// Rows claimed per batch.
+    /// Rows claimed per batch, at most (0 counts as 1). After a batch whose lease ran out before
+    /// its outcomes were recorded the relay claims fewer, until batches fit the lease again
+    /// (see the module docs).
     pub batch_size: usize,
     /// Lease length per claim.
     pub lease: Duration,
@@ -315,6 +328,7 @@ struct Meters {
     refused: metrics::Counter,
     publish_seconds: metrics::Histogram,
     batch_seconds: metrics::Histogram,
+    batch_limit: metrics::Gauge,
 }
 
 impl Meters {
@@ -331,6 +345,7 @@ impl Meters {
             refused: counter(REFUSED),
             publish_seconds: histogram(PUBLISH_SECONDS),
             batch_seconds: histogram(BATCH_SECONDS),
+            batch_limit: metrics::gauge!(BATCH_LIMIT, OWNER => owner.to_owned()),
         }
     }
 }
@@ -375,6 +390,9 @@ pub struct Relay {
     config: RelayConfig,
     counters: Counters,
     meters: Meters,
+    /// Rows the next claim asks for: [`RelayConfig::batch_size`] or fewer after a batch
+    /// outlasted its lease (see the module docs).
+    limit: AtomicUsize,
     rng: Mutex<SplitMix64>,
     shutdown: Shutdown,
 }
@@ -456,12 +474,15 @@ impl Relay {
                 .unwrap_or(0x5eed)
         });
         let meters = Meters::new(&config.owner);
+        let limit = config.batch_size.max(1);
+        meters.batch_limit.set(limit as f64);
         Self {
             store,
             broker,
             config,
             counters: Counters::default(),
             meters,
+            limit: AtomicUsize::new(limit),
             rng: Mutex::new(SplitMix64::new(seed)),
             shutdown: Shutdown::default(),
         }
@@ -475,6 +496,12 @@ impl Relay {
     /// A handle that stops [`run`](Relay::run) gracefully.
     pub fn shutdown_handle(&self) -> Shutdown {
         self.shutdown.clone()
+    }
+
+    /// Rows the next claim asks for: [`RelayConfig::batch_size`], or fewer while batches have
+    /// been outlasting their lease (see the [module docs](self)).
+    pub fn batch_limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
     }
 
     /// Totals since the relay was built. `claimed` counts when a claim returns; the other counts
@@ -624,15 +651,13 @@ impl Relay {
                 }
                 let started = Instant::now();
                 let span = info_span!("outbox.relay.batch", owner = %self.config.owner);
-                let rows = match self
-                    .store
-                    .claim(&self.config.owner, self.config.batch_size, self.config.lease)
-                    .instrument(span.clone())
-                    .await
-                {
-                    Ok(rows) => rows,
-                    Err(e) => return Stop::Failed(e),
-                };
+                let limit = self.batch_limit();
+                let rows =
+                    match self.store.claim(&self.config.owner, limit, self.config.lease).instrument(span.clone()).await
+                    {
+                        Ok(rows) => rows,
+                        Err(e) => return Stop::Failed(e),
+                    };
                 if rows.is_empty() {
                     if alone {
                         return Stop::Idle;
@@ -642,7 +667,7 @@ impl Relay {
                     continue;
                 }
                 // A short batch: the backlog is drained, an overlapped claim would find nothing.
-                settle_first = rows.len() < self.config.batch_size;
+                settle_first = rows.len() < limit;
                 batches += 1;
                 let n = rows.len() as u64;
                 self.counters.claimed.fetch_add(n, Ordering::Relaxed);
@@ -838,7 +863,49 @@ impl Relay {
         .instrument(span)
         .await;
         self.record(&report, started);
+        self.adapt(&report, started);
         report
+    }
+
+    /// Size the next claims after a settled batch (module docs, "Why the batch shrinks"):
+    /// halve after a fenced transition, grow by a tenth of `batch_size` after a full batch that
+    /// settled within half the lease.
+    fn adapt(&self, report: &BatchReport, started: Instant) {
+        let max = self.config.batch_size.max(1);
+        let claimed = usize::try_from(report.claimed).unwrap_or(usize::MAX);
+        let now = self.limit.load(Ordering::Relaxed);
+        let next = if report.fenced > 0 {
+            // Half of the batch that outlasted its lease; a batch claimed before an earlier
+            // shrink does not shrink the limit twice for the same stall.
+            (claimed / 2).max(1).min(now)
+        } else if claimed >= now && now < max && started.elapsed() < self.config.lease / 2 {
+            (now + (max / 10).max(1)).min(max)
+        } else {
+            return;
+        };
+        // Batches in flight settle one at a time in this stage, so nothing races this store.
+        self.limit.store(next, Ordering::Relaxed);
+        self.meters.batch_limit.set(next as f64);
+        if next < now {
+            warn!(
+                target: "outbox.relay",
+                owner = %self.config.owner,
+                claimed,
+                fenced = report.fenced,
+                lease = ?self.config.lease,
+                batch_limit = next,
+                "a batch outlasted its lease (another relay re-claimed its rows before their outcomes were \
+                 recorded); claiming fewer rows per batch until batches settle within half the lease \
+                 (raise the lease or lower batch_size if this repeats)"
+            );
+        } else if report.fenced > 0 && claimed == 1 {
+            warn!(
+                target: "outbox.relay",
+                owner = %self.config.owner,
+                lease = ?self.config.lease,
+                "a one-row batch outlasted its lease: no smaller batch can help; raise the lease"
+            );
+        }
     }
 
     /// Add a settled batch to the totals, the metrics and the log.
@@ -938,6 +1005,7 @@ const RELEASED: &str = "outbox_relay_released_total";
 const REFUSED: &str = "outbox_relay_refused_total";
 const PUBLISH_SECONDS: &str = "outbox_relay_publish_seconds";
 const BATCH_SECONDS: &str = "outbox_relay_batch_seconds";
+const BATCH_LIMIT: &str = "outbox_relay_batch_limit";
 /// The label every relay metric carries: [`RelayConfig::owner`].
 const OWNER: &str = "owner";
 

@@ -1007,3 +1007,93 @@ async fn shutdown_stops_a_batch_between_two_publishes() {
     }
     assert_eq!(log_ids(&broker), ["e1"]);
 }
+
+/// A broker that, once, lets another relay take the batch being published: after the
+/// `steal_after`-th publish the store's clock passes the lease and a claim by "thief" takes the
+/// first `take` rows (the batch's own, their lease gone). The batch's publish goes on; its
+/// completions are fenced.
+struct Thief {
+    inner: MemoryBroker,
+    clock: ManualClock,
+    store: MemoryOutbox,
+    steal_after: usize,
+    take: usize,
+    publishes: std::sync::atomic::AtomicUsize,
+    stolen: Mutex<Vec<i64>>,
+}
+
+#[async_trait]
+impl Broker for Thief {
+    fn backend(&self) -> &'static str {
+        "thief"
+    }
+    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> outbox_core::Result<()> {
+        self.inner.declare(d, g).await
+    }
+    async fn publish(&self, event: &Event) -> outbox_core::Result<()> {
+        let n = self.publishes.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if n == self.steal_after {
+            self.clock.advance(LEASE + Duration::from_millis(1));
+            let rows = self.store.claim("thief", self.take, LEASE).await?;
+            self.stolen.lock().unwrap().extend(rows.iter().map(|c| c.record.row_id));
+        }
+        self.inner.publish(event).await
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> outbox_core::Result<Box<dyn Subscription>> {
+        self.inner.subscribe(d, g).await
+    }
+}
+
+/// A batch that outlasts its lease is re-claimed by another relay and its completions are
+/// fenced; claiming as many rows again would outlast the next lease too, and two relays would
+/// take the batch from each other forever (seen in CI: a 200 ms lease, one key's 41 rows
+/// published one at a time). So the next claim asks for half, and full batches that settle in
+/// time grow it back by a tenth of `batch_size`. Judged by the claims' sizes, the rows and the
+/// broker's log.
+#[tokio::test]
+async fn a_batch_that_outlasts_its_lease_halves_the_next_claim_and_batches_grow_back() {
+    let (clock, store, broker) = setup().await;
+    let events: Vec<Event> = (1..=50).map(|i| event(&format!("e{i:02}"))).collect();
+    store.enqueue(&events).await.unwrap();
+    let thief = Arc::new(Thief {
+        inner: broker.clone(),
+        clock: clock.clone(),
+        store: store.clone(),
+        steal_after: 5,
+        take: 20,
+        publishes: Default::default(),
+        stolen: Mutex::default(),
+    });
+    let relay =
+        Relay::new(Arc::new(store.clone()), thief.clone(), config("slow").with_batch_size(20).with_pipeline_depth(1));
+    assert_eq!(relay.batch_limit(), 20);
+
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.claimed, first.published, first.fenced), (20, 0, 20), "{first:?}");
+    assert_eq!(*thief.stolen.lock().unwrap(), (1..=20).collect::<Vec<i64>>(), "the thief took the batch");
+    assert_eq!(relay.batch_limit(), 10, "halved after the fenced batch");
+
+    // The thief never completes; once its lease is gone the relay takes the rows back.
+    clock.advance(LEASE + Duration::from_millis(1));
+    let mut sizes = Vec::new();
+    for _ in 0..20 {
+        let r = relay.run_once().await.unwrap();
+        if r.claimed == 0 {
+            break;
+        }
+        assert_eq!((r.published, r.fenced), (r.claimed, 0), "{r:?}");
+        sizes.push(r.claimed);
+    }
+    assert_eq!(sizes, [10, 12, 14, 14], "half, then +2 per full batch (a short last batch does not grow it)");
+    assert_eq!(relay.batch_limit(), 16);
+
+    let rows = all_rows(&store).await.unwrap();
+    assert_eq!(rows.len(), 50);
+    for r in &rows {
+        assert_eq!((r.status, r.owner.as_deref()), (RowStatus::Published, Some("slow")), "{r:?}");
+    }
+    // The stolen batch was offered twice (once on the lost lease, once after); the rest once.
+    let mut expected: Vec<String> = (1..=20).map(|i| format!("e{i:02}")).collect();
+    expected.extend((1..=50).map(|i| format!("e{i:02}")));
+    assert_eq!(log_ids(&broker), expected);
+}

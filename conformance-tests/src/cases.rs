@@ -422,6 +422,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "relay_batch_that_outlasted_its_lease_halves_the_next_claim",
+            class: "Relay",
+            property: "after another relay re-claimed a batch whose publish outlasted its lease (its completions \
+                       fenced), the next claim asks for at most half as many rows, so two relays cannot take one \
+                       batch from each other forever; every row is then published once by the relay's token",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "relay_shutdown_releases_unpublished_rows",
             class: "Relay::run",
             property: "on shutdown the publish in flight finishes and is completed; claimed rows not yet \
@@ -724,6 +733,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "relay_transient_failure_is_retried_not_completed" => relay_transient_failure(harness, engines).await,
             "relay_refused_credentials_release_the_row" => relay_refused_credentials(harness, engines).await,
             "relay_one_key_is_published_one_at_a_time_in_row_order" => relay_key_order(harness, engines).await,
+            "relay_batch_that_outlasted_its_lease_halves_the_next_claim" => {
+                relay_lease_outlasted(harness, engines).await
+            }
             "relay_shutdown_releases_unpublished_rows" => relay_shutdown_releases(harness, engines).await,
             "inbox_commit_failure_is_not_acknowledged" => inbox_commit_failure(harness, engines).await,
             "consumer_concurrent_keeps_key_order_and_applies_once" => {
@@ -1858,6 +1870,72 @@ async fn relay_key_order<H: Harness>(h: &H, engines: &Engines) -> outbox_core::R
         ));
     }
     Ok(CaseResult::Passed(format!("{} rows of 3 keys, one publish per key at a time, in row order", events.len())))
+}
+
+async fn relay_lease_outlasted<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "relay_batch_that_outlasted_its_lease_halves_the_next_claim";
+    const BATCH: usize = 8;
+    let keys: Vec<String> = (0..BATCH).map(|i| format!("k{i}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let (fx, clock, events) = keyed_fixture(h, CASE, &keys).await?;
+    let faulty = Faulty::new(fx.broker.clone());
+    let hold = faulty.hold_next();
+    let config = relay_config("relay-A").with_batch_size(BATCH).with_pipeline_depth(1);
+    let relay = engines.relay(fx.store.clone(), faulty.shared(), config);
+    let first = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run_once().await }
+    });
+    if !hold.started.wait(RELAY_WAIT).await {
+        first.abort();
+        return Ok(CaseResult::fail(CASE, "", format!("the relay started no publish within {RELAY_WAIT:?}")));
+    }
+    // The publish outlasts the lease; another relay claims the batch meanwhile.
+    clock.advance(LEASE + Duration::from_millis(1));
+    let stolen = fx.store.claim("relay-B", BATCH, LEASE).await?;
+    hold.release.open();
+    let first = match tokio::time::timeout(RELAY_WAIT, first).await {
+        Ok(joined) => joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("relay task: {e}")))??,
+        Err(_) => {
+            return Ok(CaseResult::fail(CASE, "", format!("the first batch did not settle within {RELAY_WAIT:?}")));
+        }
+    };
+    ensure!(
+        CASE,
+        stolen.len() == BATCH && first.claimed == BATCH as u64 && first.fenced > 0 && first.published == 0,
+        "setup: relay-B re-claimed {} rows after the lease ran out; the first batch was {first:?}",
+        stolen.len()
+    );
+    // relay-B never completes; once its lease is gone too, relay-A claims again.
+    clock.advance(LEASE + Duration::from_millis(1));
+    let next = relay.run_once().await?;
+    ensure!(
+        CASE,
+        next.claimed > 0 && next.claimed <= (BATCH / 2) as u64,
+        "after a batch of {BATCH} outlasted its lease the next claim took {} rows (at most {} expected): the same \
+         batch again outlasts the next lease, and two relays take it from each other forever",
+        next.claimed,
+        BATCH / 2
+    );
+    for _ in 0..BATCH {
+        if relay.run_once().await?.claimed == 0 {
+            break;
+        }
+    }
+    let rows = all_rows(fx.store.as_ref()).await?;
+    for e in &events {
+        let r = row_of(&rows, e);
+        ensure!(
+            CASE,
+            r.is_some_and(|r| r.status == RowStatus::Published
+                && r.published_token == Some(r.token)
+                && r.owner.as_deref() == Some("relay-A")),
+            "{} is {} (expected published by relay-A's token)",
+            e.id,
+            r.map_or("missing".into(), describe)
+        );
+    }
+    Ok(CaseResult::Passed(format!("first batch {first:?}; next claim {} rows", next.claimed)))
 }
 
 async fn relay_shutdown_releases<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {

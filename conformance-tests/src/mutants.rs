@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -94,6 +94,9 @@ pub enum Mutant {
     RelayKeepsLeasesOnShutdown,
     /// A relay that parks a row because the broker refused the relay's credentials.
     RelayParksOnRefusedCredentials,
+    /// A relay that claims as many rows again after a batch outlasted its lease: two relays
+    /// can take one slow batch from each other forever.
+    RelayKeepsBatchSizeAfterLeaseLost,
     /// A consumer runtime that acknowledges after the effect, before the inbox commit.
     AckThenCommit,
     /// A consumer runtime that acknowledges a foreign message without a dead letter.
@@ -106,7 +109,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 27] = [
+    pub const ALL: [Mutant; 28] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -130,6 +133,7 @@ impl Mutant {
         Mutant::RelayPublishesOneKeyConcurrently,
         Mutant::RelayKeepsLeasesOnShutdown,
         Mutant::RelayParksOnRefusedCredentials,
+        Mutant::RelayKeepsBatchSizeAfterLeaseLost,
         Mutant::AckThenCommit,
         Mutant::DropsForeign,
         Mutant::AckForeignBeforeRecord,
@@ -152,7 +156,8 @@ impl Mutant {
             Self::RelayCompletesFailedPublish
             | Self::RelayPublishesOneKeyConcurrently
             | Self::RelayKeepsLeasesOnShutdown
-            | Self::RelayParksOnRefusedCredentials => relay(self),
+            | Self::RelayParksOnRefusedCredentials
+            | Self::RelayKeepsBatchSizeAfterLeaseLost => relay(self),
             Self::AckThenCommit => {
                 Engines::default().with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckThenCommit)
             }
@@ -200,6 +205,9 @@ impl fmt::Display for Mutant {
             Self::RelayPublishesOneKeyConcurrently => "relay that publishes one key's rows concurrently",
             Self::RelayKeepsLeasesOnShutdown => "relay that does not release claimed rows on shutdown",
             Self::RelayParksOnRefusedCredentials => "relay that parks a row when the broker refuses its credentials",
+            Self::RelayKeepsBatchSizeAfterLeaseLost => {
+                "relay that claims as many rows again after a batch outlasted its lease"
+            }
             Self::AckThenCommit => "ack inside commit, before the inbox commit",
             Self::DropsForeign => "foreign messages acknowledged without a dead letter",
             Self::AckForeignBeforeRecord => "foreign messages acknowledged before their dead letter commits",
@@ -880,6 +888,9 @@ struct WrongRelay {
     stop: AtomicBool,
     stopped: Notify,
     totals: Mutex<BatchReport>,
+    /// Rows the next claim asks for: halved after a fenced batch, as the reference relay does
+    /// (not under [`Mutant::RelayKeepsBatchSizeAfterLeaseLost`]).
+    limit: AtomicUsize,
 }
 
 impl WrongRelay {
@@ -887,11 +898,12 @@ impl WrongRelay {
         Self {
             store,
             broker,
-            config,
             fault,
             stop: AtomicBool::new(false),
             stopped: Notify::new(),
             totals: Mutex::default(),
+            limit: AtomicUsize::new(config.batch_size.max(1)),
+            config,
         }
     }
 
@@ -933,7 +945,8 @@ impl WrongRelay {
     }
 
     async fn batch(&self) -> Result<BatchReport> {
-        let claimed = self.store.claim(&self.config.owner, self.config.batch_size, self.config.lease).await?;
+        let limit = self.limit.load(Ordering::SeqCst);
+        let claimed = self.store.claim(&self.config.owner, limit, self.config.lease).await?;
         let mut report = BatchReport { claimed: claimed.len() as u64, ..BatchReport::default() };
         let mut sent = Vec::new();
         if self.fault == Mutant::RelayPublishesOneKeyConcurrently {
@@ -970,6 +983,9 @@ impl WrongRelay {
                     Completion::Fenced => report.fenced += 1,
                 }
             }
+        }
+        if report.fenced > 0 && self.fault != Mutant::RelayKeepsBatchSizeAfterLeaseLost {
+            self.limit.store((claimed.len() / 2).max(1), Ordering::SeqCst);
         }
         let mut t = lock(&self.totals);
         t.claimed += report.claimed;

@@ -13,6 +13,13 @@
 //! * A return carries the message's own properties, so its `message_id` (the event id) names the
 //!   message that was returned. A window never holds two messages with the same event id.
 //!
+//! A missing exchange is found before the batch is sent, by a passive declaration (each exchange
+//! once per broker, until a publish to it fails with 404). Sent into a window, a message to a
+//! missing exchange makes the server close the channel while later messages of the window may
+//! still sit in lapin's send queue; lapin (4.12) sends them after its `channel.close-ok`, and the
+//! server answers a frame on a closed channel by closing the whole connection (504
+//! CHANNEL_ERROR), failing every other window in flight.
+//!
 //! Per-key order: every event of one key on one exchange goes through one channel, in slice
 //! order, and a channel is processed in order by the server.
 
@@ -55,25 +62,30 @@ impl Inner {
                 }
             })
             .collect();
-        // Invalid events fail alone, before anything is sent; their later same-key events are
-        // not sent either.
-        let mut failed_lane: HashMap<usize, String> = HashMap::new();
+        // Invalid events, and events to an exchange that does not exist, fail alone before
+        // anything is sent; their later same-key events are not sent either.
         let frame_max = match self.connection(&self.publisher).await {
             Ok(conn) => conn.configuration().frame_max(),
             Err(e) => return events.iter().map(|_| Err(e.clone())).collect(),
         };
+        let checked: Vec<Result<Prepared>> = events.iter().map(|event| self.prepare(event, frame_max)).collect();
+        let missing = self.missing_exchanges(checked.iter().flatten().map(|p| p.exchange.as_str()).collect()).await;
+        let mut failed_lane: HashMap<usize, String> = HashMap::new();
         let mut prepared: Vec<Option<Prepared>> = Vec::with_capacity(events.len());
-        for (i, event) in events.iter().enumerate() {
+        for (i, p) in checked.into_iter().enumerate() {
             if let Some(first) = failed_lane.get(&lanes[i]) {
                 out[i] = Some(Err(skipped(BACKEND, first)));
                 prepared.push(None);
                 continue;
             }
-            match self.prepare(event, frame_max) {
+            match p.and_then(|p| match missing.get(&p.exchange) {
+                Some(e) => Err(e.clone()),
+                None => Ok(p),
+            }) {
                 Ok(p) => prepared.push(Some(p)),
                 Err(e) => {
                     out[i] = Some(Err(e));
-                    failed_lane.insert(lanes[i], event.id.to_string());
+                    failed_lane.insert(lanes[i], events[i].id.to_string());
                     prepared.push(None);
                 }
             }
@@ -270,6 +282,10 @@ impl Inner {
             let r = match (returned.get(event.id.as_str()), outcome) {
                 (_, Err(e)) => {
                     let err = from_lapin(e, Op::Confirm, &format!("event {} to {exchange}", event.id));
+                    if err.kind() == ErrorKind::Unroutable {
+                        // The exchange was deleted after it was checked: check it again next time.
+                        self.forget_exchange(exchange);
+                    }
                     warn!(target: "outbox.amqp", event_id = %event.id, error = %err, "publish failed");
                     Err(err)
                 }

@@ -17,6 +17,7 @@
 //! the server blocks publishers (memory or disk alarm) the consumers' acknowledgements still flow.
 //! Each is rebuilt on the next operation after it broke.
 
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -56,6 +57,9 @@ pub(crate) struct Inner {
     pub(crate) consumer: Slot,
     idle: Mutex<Vec<Channel>>,
     pub(crate) window: Semaphore,
+    /// Exchanges seen to exist (declared or checked) on the publishing connection; a batch
+    /// checks the others before it sends anything to them (see `batch.rs`).
+    exchanges: Mutex<HashSet<String>>,
 }
 
 /// What `publish` sends for one event, after every check passed.
@@ -85,6 +89,7 @@ impl AmqpBroker {
                 consumer: Slot::new("consume"),
                 idle: Mutex::new(Vec::new()),
                 window,
+                exchanges: Mutex::new(HashSet::new()),
                 config,
             }),
         }
@@ -170,6 +175,7 @@ impl AmqpBroker {
             close(channel);
         }
         let exchange = self.inner.config.exchange_name(destination)?;
+        self.inner.forget_exchange(&exchange);
         let channel = self.inner.topology_channel().await?;
         let what = format!("deleting exchange {exchange}");
         self.inner
@@ -443,7 +449,61 @@ impl Inner {
             }
         }
         close(channel);
+        lock(&self.exchanges).insert(exchange);
         Ok(())
+    }
+
+    /// Of `names`, the exchanges that do not exist, each with the error to report for the
+    /// events sent to it. Each exchange not yet seen is checked with a passive declaration on its
+    /// own channel, all at once; one that exists is remembered.
+    pub(crate) async fn missing_exchanges(&self, names: HashSet<&str>) -> HashMap<String, Error> {
+        let unknown: Vec<&str> = {
+            let known = lock(&self.exchanges);
+            names.into_iter().filter(|n| !known.contains(*n)).collect()
+        };
+        let checks = unknown.into_iter().map(|name| async move { (name, self.check_exchange(name).await) });
+        futures::future::join_all(checks)
+            .await
+            .into_iter()
+            .filter_map(|(name, r)| r.err().map(|e| (name.to_string(), e)))
+            .collect()
+    }
+
+    async fn check_exchange(&self, name: &str) -> Result<()> {
+        let channel = self.topology_channel().await?;
+        let what = format!("exchange {name}");
+        let checked = self
+            .rpc(
+                &self.publisher,
+                &what,
+                channel.exchange_declare(
+                    name.into(),
+                    ExchangeKind::Topic,
+                    ExchangeDeclareOptions { passive: true, ..Default::default() },
+                    empty(),
+                ),
+                |e| from_lapin(e, Op::Publish, &what),
+            )
+            .await;
+        // After a 404 the server has closed the channel already (closing it again sends nothing).
+        close(channel);
+        match checked {
+            Ok(()) => {
+                lock(&self.exchanges).insert(name.to_string());
+                Ok(())
+            }
+            Err(e) if e.kind() == ErrorKind::Unroutable => Err(Error::transient(
+                ErrorKind::Unroutable,
+                BACKEND,
+                format!("exchange {name} does not exist (checked before publishing): nothing was sent to it"),
+            )),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// After a window to `exchange` failed with a 404: check it again before the next batch.
+    pub(crate) fn forget_exchange(&self, exchange: &str) {
+        lock(&self.exchanges).remove(exchange);
     }
 
     /// Everything `publish` checks before sending, and the message to send.

@@ -240,3 +240,40 @@ async fn returns_are_attributed_to_exactly_the_returned_messages() {
     let received = read(sub.as_mut(), routed.len()).await;
     assert_once_in_order(&routed, &received);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exchange_deleted_behind_the_brokers_back_is_checked_again() {
+    if !server() {
+        return;
+    }
+    let fx = Fixture::new("deleted", |c| c);
+    fx.broker.declare(fx.dest(), std::slice::from_ref(&fx.group)).await.unwrap();
+    let event = |i: u32| Event::new(EventId::new(format!("d-{i}")).unwrap(), fx.dest().clone(), vec![i as u8]);
+    assert!(fx.broker.publish_batch(&[event(0)]).await[0].is_ok(), "the declared exchange routes");
+
+    // Another client deletes the exchange: the broker still takes it to exist.
+    let exchange = fx.broker.config().exchange_name(fx.dest()).unwrap();
+    let conn = Connection::connect(&url(), ConnectionProperties::default()).await.unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    channel.exchange_delete(exchange.as_str().into(), Default::default()).await.unwrap();
+    let _ = conn.close(200, "OK".into()).await;
+
+    // One message in the window: the server's 404 closes its channel, reported `Unroutable`.
+    let first = fx.broker.publish_batch(&[event(1)]).await;
+    let err = first[0].as_ref().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unroutable, "{err}");
+    // The next batch checks the exchange before sending: every event fails alone, nothing is sent.
+    let batch: Vec<Event> = (2..40).map(event).collect();
+    for (e, r) in batch.iter().zip(fx.broker.publish_batch(&batch).await) {
+        let err = r.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Unroutable, "event {}: {err}", e.id);
+        assert!(err.to_string().contains("does not exist"), "event {}: {err}", e.id);
+    }
+    // Declared again, it routes again; the queue holds event 0 and the new one, nothing else.
+    fx.broker.declare(fx.dest(), std::slice::from_ref(&fx.group)).await.unwrap();
+    assert!(fx.broker.publish_batch(&[event(40)]).await[0].is_ok(), "the exchange was declared again");
+    let mut sub = fx.broker.subscribe(fx.dest(), &fx.group).await.unwrap();
+    let received = read(sub.as_mut(), 2).await;
+    let ids: Vec<&str> = received.iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(ids, ["d-0", "d-40"]);
+}

@@ -188,6 +188,60 @@ pub(crate) async fn failed_event_skips_later_of_its_key<H: Harness>(h: &H) -> ou
     )))
 }
 
+pub(crate) async fn unroutable_event_fails_alone<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_publish_batch_unroutable_event_fails_alone";
+    let (fx, wait) = fixture(h, CASE).await?;
+    let (a, b, z) = (Some("a"), Some("b"), Some("z"));
+    let keys = [a, None, b, a, z, None, b, a, None, b, a, None];
+    let mut events = events(&fx, CASE, &keys)?;
+    // Events 1, 4 and 8 go to a destination nobody declared: each is unroutable on its own,
+    // and nothing else of the batch may fail with it (key z has no later event).
+    const NOWHERE: [usize; 3] = [1, 4, 8];
+    let nowhere = outbox_core::Destination::new(format!("{}-nowhere", fx.destination))?;
+    for i in NOWHERE {
+        events[i].destination = nowhere.clone();
+    }
+    let results = fx.broker.publish_batch(&events).await;
+    ensure!(CASE, results.len() == events.len(), "{} results for {} events", results.len(), events.len());
+    let mut delivered = Vec::new();
+    for (i, (e, r)) in events.iter().zip(&results).enumerate() {
+        match r {
+            Err(err) if NOWHERE.contains(&i) => ensure!(
+                CASE,
+                err.kind() == ErrorKind::Unroutable,
+                "{} to undeclared {nowhere} failed with {} instead of Unroutable",
+                e.id,
+                err_text(err)
+            ),
+            Ok(()) if NOWHERE.contains(&i) => {
+                return Ok(CaseResult::fail(CASE, "", format!("{} to undeclared {nowhere} was reported Ok", e.id)));
+            }
+            Err(err) => {
+                return Ok(CaseResult::fail(
+                    CASE,
+                    "",
+                    format!(
+                        "{} to the declared destination failed beside the unroutable ones: {}",
+                        e.id,
+                        err_text(err)
+                    ),
+                ));
+            }
+            Ok(()) => delivered.push(e),
+        }
+    }
+    let got = read_back(&fx, &delivered, wait).await?;
+    if let Some(problem) = judge(&delivered, &got) {
+        return Ok(CaseResult::fail(CASE, "", problem));
+    }
+    Ok(CaseResult::Passed(format!(
+        "{} unroutable ({:?}); {} others delivered once in key order",
+        NOWHERE.len(),
+        results[NOWHERE[0]],
+        delivered.len()
+    )))
+}
+
 pub(crate) async fn empty_is_empty<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "broker_publish_batch_empty_is_empty";
     let (fx, _) = fixture(h, CASE).await?;

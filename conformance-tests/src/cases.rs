@@ -319,6 +319,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "broker_publish_batch_unroutable_event_fails_alone",
+            class: "Broker::publish_batch",
+            property: "events to a destination that cannot route fail Unroutable each; the other events of the \
+                       batch are accepted and delivered once in key order",
+            needs: &[Capability::DetectsUnroutable],
+            body: Function,
+        },
+        Case {
             name: "broker_publish_batch_empty_is_empty",
             class: "Broker::publish_batch",
             property: "an empty slice returns an empty vector",
@@ -726,6 +734,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             }
             "broker_publish_batch_failed_event_skips_later_of_its_key" => {
                 crate::batch_cases::failed_event_skips_later_of_its_key(harness).await
+            }
+            "broker_publish_batch_unroutable_event_fails_alone" => {
+                crate::batch_cases::unroutable_event_fails_alone(harness).await
             }
             "broker_publish_batch_empty_is_empty" => crate::batch_cases::empty_is_empty(harness).await,
             "store_concurrent_claims_never_share_a_row" => store_concurrent_claims(harness).await,

@@ -86,6 +86,9 @@ pub enum Mutant {
     /// A broker whose `publish_batch` publishes every event on its own: after an event fails,
     /// the later events of its key are still sent and reported `Ok`.
     BatchDoesNotSkipAfterFailure,
+    /// A broker whose `publish_batch` fails the whole batch, outcome unknown, when one event is
+    /// unroutable (as an AMQP client does when the server closes the connection under a window).
+    BatchFailsWholeOnUnroutable,
     /// A relay that completes a row whose publish failed transiently.
     RelayCompletesFailedPublish,
     /// A relay that publishes all rows of a batch at once, whatever their keys.
@@ -109,7 +112,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 28] = [
+    pub const ALL: [Mutant; 29] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -129,6 +132,7 @@ impl Mutant {
         Mutant::JoinedQueueNames,
         Mutant::BatchReversesOrder,
         Mutant::BatchDoesNotSkipAfterFailure,
+        Mutant::BatchFailsWholeOnUnroutable,
         Mutant::RelayCompletesFailedPublish,
         Mutant::RelayPublishesOneKeyConcurrently,
         Mutant::RelayKeepsLeasesOnShutdown,
@@ -201,6 +205,7 @@ impl fmt::Display for Mutant {
             Self::JoinedQueueNames => "queue names joined with '.' (destination and group names collide)",
             Self::BatchReversesOrder => "publish_batch that sends a batch in reverse order",
             Self::BatchDoesNotSkipAfterFailure => "publish_batch that goes on with a key after its event failed",
+            Self::BatchFailsWholeOnUnroutable => "publish_batch that fails every event when one is unroutable",
             Self::RelayCompletesFailedPublish => "relay that completes a row whose publish failed transiently",
             Self::RelayPublishesOneKeyConcurrently => "relay that publishes one key's rows concurrently",
             Self::RelayKeepsLeasesOnShutdown => "relay that does not release claimed rows on shutdown",
@@ -685,7 +690,7 @@ impl Harness for MutantHarness {
         let broker: Arc<dyn Broker> = match mode {
             Mutant::AckBeforeCommit => Arc::new(AckOnReceipt(mem)),
             Mutant::DropsUnboundPublishes => Arc::new(DropsUnbound { inner: mem, groups: Mutex::default() }),
-            Mutant::BatchReversesOrder | Mutant::BatchDoesNotSkipAfterFailure => {
+            Mutant::BatchReversesOrder | Mutant::BatchDoesNotSkipAfterFailure | Mutant::BatchFailsWholeOnUnroutable => {
                 Arc::new(WrongBatch { inner: mem, mode })
             }
             Mutant::JoinedQueueNames => {
@@ -736,8 +741,8 @@ impl Broker for DropsUnbound {
     }
 }
 
-/// The reference broker with a wrong `publish_batch` ([`Mutant::BatchReversesOrder`] or
-/// [`Mutant::BatchDoesNotSkipAfterFailure`]).
+/// The reference broker with a wrong `publish_batch` ([`Mutant::BatchReversesOrder`],
+/// [`Mutant::BatchDoesNotSkipAfterFailure`] or [`Mutant::BatchFailsWholeOnUnroutable`]).
 struct WrongBatch {
     inner: MemoryBroker,
     mode: Mutant,
@@ -756,7 +761,10 @@ impl Broker for WrongBatch {
     }
     async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
         let mut out = Vec::with_capacity(events.len());
-        if self.mode == Mutant::BatchReversesOrder {
+        if self.mode == Mutant::BatchFailsWholeOnUnroutable {
+            // The reference batch (key lanes, skips after a failure), then the whole batch lost.
+            out = self.inner.publish_batch(events).await;
+        } else if self.mode == Mutant::BatchReversesOrder {
             for e in events.iter().rev() {
                 out.push(self.inner.publish(e).await);
             }
@@ -765,6 +773,12 @@ impl Broker for WrongBatch {
             for e in events {
                 out.push(self.inner.publish(e).await);
             }
+        }
+        if self.mode == Mutant::BatchFailsWholeOnUnroutable
+            && out.iter().any(|r| r.as_ref().is_err_and(|e| e.kind() == ErrorKind::Unroutable))
+        {
+            let lost = Error::outcome_unknown(ErrorKind::Connection, "mutant", "the connection was closed");
+            return out.iter().map(|_| Err(lost.clone())).collect();
         }
         out
     }

@@ -455,7 +455,9 @@ impl Inner {
 
     /// Of `names`, the exchanges that do not exist, each with the error to report for the
     /// events sent to it. Each exchange not yet seen is checked with a passive declaration on its
-    /// own channel, all at once; one that exists is remembered.
+    /// own channel, all at once; one that exists is remembered. Only a definite 404 counts: when
+    /// the check itself fails (a refused permission, a broken connection), the batch is sent as
+    /// it would have been without the check, and the publish reports what happens.
     pub(crate) async fn missing_exchanges(&self, names: HashSet<&str>) -> HashMap<String, Error> {
         let unknown: Vec<&str> = {
             let known = lock(&self.exchanges);
@@ -465,7 +467,14 @@ impl Inner {
         futures::future::join_all(checks)
             .await
             .into_iter()
-            .filter_map(|(name, r)| r.err().map(|e| (name.to_string(), e)))
+            .filter_map(|(name, r)| match r {
+                Err(e) if e.kind() == ErrorKind::Unroutable => Some((name.to_string(), e)),
+                Err(e) => {
+                    debug!(target: "outbox.amqp", exchange = name, error = %e, "could not check the exchange; publishing");
+                    None
+                }
+                Ok(()) => None,
+            })
             .collect()
     }
 
@@ -608,6 +617,9 @@ impl Inner {
             Err(e) => {
                 let err = from_lapin(e, Op::Confirm, &format!("event {} to {exchange}", event.id));
                 warn!(target: "outbox.amqp", event_id = %event.id, error = %err, "publish failed");
+                if err.kind() == ErrorKind::Unroutable {
+                    self.forget_exchange(&exchange);
+                }
                 close(channel);
                 Err(err)
             }

@@ -761,24 +761,26 @@ impl Broker for WrongBatch {
     }
     async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
         let mut out = Vec::with_capacity(events.len());
-        if self.mode == Mutant::BatchFailsWholeOnUnroutable {
-            // The reference batch (key lanes, skips after a failure), then the whole batch lost.
-            out = self.inner.publish_batch(events).await;
-        } else if self.mode == Mutant::BatchReversesOrder {
-            for e in events.iter().rev() {
-                out.push(self.inner.publish(e).await);
+        match self.mode {
+            Mutant::BatchFailsWholeOnUnroutable => {
+                // The reference batch (key lanes, skips after a failure), then the whole batch lost.
+                out = self.inner.publish_batch(events).await;
+                if out.iter().any(|r| r.as_ref().is_err_and(|e| e.kind() == ErrorKind::Unroutable)) {
+                    let lost = Error::outcome_unknown(ErrorKind::Connection, "mutant", "the connection was closed");
+                    out = events.iter().map(|_| Err(lost.clone())).collect();
+                }
             }
-            out.reverse();
-        } else {
-            for e in events {
-                out.push(self.inner.publish(e).await);
+            Mutant::BatchReversesOrder => {
+                for e in events.iter().rev() {
+                    out.push(self.inner.publish(e).await);
+                }
+                out.reverse();
             }
-        }
-        if self.mode == Mutant::BatchFailsWholeOnUnroutable
-            && out.iter().any(|r| r.as_ref().is_err_and(|e| e.kind() == ErrorKind::Unroutable))
-        {
-            let lost = Error::outcome_unknown(ErrorKind::Connection, "mutant", "the connection was closed");
-            return out.iter().map(|_| Err(lost.clone())).collect();
+            _ => {
+                for e in events {
+                    out.push(self.inner.publish(e).await);
+                }
+            }
         }
         out
     }

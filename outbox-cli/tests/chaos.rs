@@ -92,3 +92,93 @@ fn chaos_ci_profile_loses_nothing_and_duplicates_no_effect() {
         assert_eq!(num(c, "/figures/parked"), 1, "{name}: only the oversized row is parked");
     }
 }
+
+/// Every live process whose environment holds `OUTBOX_TEST_TAG=tag` (the runner's children
+/// inherit it), or that works in `dir` or names it on its command line (PostgreSQL and Redis
+/// overwrite their environment with their process titles; the runner starts them in their
+/// directories under `dir`): pid and command line. Zombies are left out: they run nothing.
+fn started_by(tag: &str, dir: &str) -> Vec<(u32, String)> {
+    let needle = format!("OUTBOX_TEST_TAG={tag}");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ").trim().to_string();
+        let cwd = std::fs::read_link(entry.path().join("cwd")).unwrap_or_default();
+        if !environ.split(|b| *b == 0).any(|var| var == needle.as_bytes())
+            && !cmdline.contains(dir)
+            && !cwd.starts_with(dir)
+        {
+            continue;
+        }
+        let state = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        if state.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')) {
+            continue;
+        }
+        found.push((pid, cmdline));
+    }
+    found
+}
+
+/// SIGTERM to `outbox chaos` mid-run stops what it started: relays, consumers, its Redis and its
+/// own PostgreSQL (daemonized by `pg_ctl`, so not a child) — none is left running after it exits.
+#[test]
+fn sigterm_stops_every_process_and_server_the_run_started() {
+    use std::os::unix::fs::PermissionsExt;
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let tag = format!("chaos-sigterm-{}", std::process::id());
+    // The runner's temporary directories go here, so its servers can be told from another run's.
+    let tmp = tempfile::tempdir().unwrap();
+    // Its PostgreSQL runs as the `postgres` user when the runner is root: it must get through.
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = tmp.path().to_str().unwrap().to_string();
+    let mut child = outbox()
+        .args(["chaos", "--profile", "ci", "--combos", "pg-redis", "--seed", "7"])
+        .env("OUTBOX_TEST_TAG", &tag)
+        .env("TMPDIR", &dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the outbox binary starts");
+    let pid = child.id();
+    // Wait (bounded) until the run has its servers and its workers.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let running = loop {
+        let procs: Vec<(u32, String)> = started_by(&tag, &dir).into_iter().filter(|(p, _)| *p != pid).collect();
+        let has = |what: &str| procs.iter().any(|(_, c)| c.contains(what));
+        if has(&format!("postgres -D {dir}")) && has("redis-server") && has(" relay ") && has("chaos-worker consume") {
+            break procs;
+        }
+        if child.try_wait().expect("try_wait").is_some() {
+            let out = wait_output(child, Duration::from_secs(10), "outbox chaos");
+            let (stdout, stderr) = text(&out);
+            if !ci && stderr.contains("SKIPPING") {
+                eprintln!("SKIPPED: a server is missing outside CI:\n{stderr}");
+                return;
+            }
+            panic!("the run ended before SIGTERM ({:?})\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status);
+        }
+        if std::time::Instant::now() > deadline {
+            sigterm(&child);
+            let out = wait_output(child, Duration::from_secs(120), "outbox chaos");
+            let (stdout, stderr) = text(&out);
+            panic!("the run never had PostgreSQL, Redis, relays and consumers up: {procs:?}\n{stdout}\n{stderr}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    sigterm(&child);
+    let out = wait_output(child, Duration::from_secs(120), "outbox chaos after SIGTERM");
+    let (stdout, stderr) = text(&out);
+    let left = started_by(&tag, &dir);
+    assert!(
+        left.is_empty(),
+        "left running after SIGTERM: {left:?}\n(running before it: {running:?})\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(1), "an interrupted run is an error\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stdout.contains("pg-redis: interrupted by SIGTERM: every process and server the run started is stopped"),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(stderr.contains("interrupted by SIGTERM"), "the error names the signal: {stderr}");
+}

@@ -31,6 +31,8 @@ pub(crate) struct Env {
     /// One restart of PostgreSQL at a time.
     pub(crate) pg_lock: tokio::sync::Mutex<()>,
     declared: Mutex<Option<(Destination, Vec<ConsumerGroup>)>>,
+    /// Last: released after the servers above are stopped.
+    _live: super::Live,
 }
 
 fn server_error(what: &str, e: impl std::fmt::Display) -> Error {
@@ -122,6 +124,7 @@ impl Env {
             broker_lock: tokio::sync::Mutex::new(()),
             pg_lock: tokio::sync::Mutex::new(()),
             declared: Mutex::new(None),
+            _live: super::Live::new(),
         })
     }
 

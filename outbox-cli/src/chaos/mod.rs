@@ -8,6 +8,7 @@
 //! judges the run from durable state only.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox::{Error, ErrorKind, Result};
@@ -211,6 +212,77 @@ const RETAIN_PUBLISHED: Duration = Duration::from_secs(60);
 /// Marker retention of the `long` profile's consumers: twice the redelivery horizon.
 const RETAIN_MARKERS: Duration = Duration::from_secs(120);
 
+/// Owners of runner processes and servers ([`env::Env`], the relay and consumer fleet) still
+/// alive. An interrupted run waits for this to reach zero before it exits, because tasks that
+/// held them are dropped by the runtime after the run's future is.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// Counted in [`LIVE`] while its owner lives; declared as the owner's last field, so it is
+/// released after the owner's processes and servers are stopped.
+pub(crate) struct Live(());
+
+impl Live {
+    pub(crate) fn new() -> Self {
+        LIVE.fetch_add(1, Ordering::SeqCst);
+        Live(())
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// How long an interrupted run waits for its processes and servers to stop (the runner's
+/// PostgreSQL gets 40 s for `pg_ctl stop`).
+const TEARDOWN_LIMIT: Duration = Duration::from_secs(60);
+
+/// The first SIGTERM or SIGINT, by name, on `tx`; a second one exits at once (status 130).
+async fn forward_signals(tx: tokio::sync::watch::Sender<Option<&'static str>>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        eprintln!("outbox chaos: cannot listen for SIGTERM/SIGINT; a signal will not stop the run's processes");
+        return;
+    };
+    let mut seen = false;
+    loop {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        if seen {
+            eprintln!("outbox chaos: second signal ({name}): exiting now; processes may be left running");
+            std::process::exit(130);
+        }
+        seen = true;
+        eprintln!("outbox chaos: {name}: stopping the run's relays, consumers and servers (again to exit at once)");
+        let _ = tx.send(Some(name));
+    }
+}
+
+/// Resolves with the signal's name once the run is interrupted.
+pub(crate) async fn interrupted(rx: &mut tokio::sync::watch::Receiver<Option<&'static str>>) -> &'static str {
+    match rx.wait_for(Option::is_some).await {
+        Ok(name) => name.unwrap_or("a signal"),
+        // The listener is gone (it could not install its handlers): never interrupted.
+        Err(_) => std::future::pending().await,
+    }
+}
+
+/// Wait (bounded) until every [`Live`] owner is dropped; `false` when some were still alive at
+/// the limit.
+async fn torn_down(limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while LIVE.load(Ordering::SeqCst) > 0 {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    true
+}
+
 /// Run the chaos profile: `Ok(true)` when every combination passed.
 ///
 /// # Errors
@@ -236,9 +308,14 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
     };
     println!("outbox chaos — profile {profile}, seed {seed} (replay with --seed {seed})");
     let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let (tx, signals) = tokio::sync::watch::channel(None);
+    let listener = tokio::spawn(forward_signals(tx));
     let mut reports = Vec::new();
     for name in names {
         let combo = name.combo();
+        if signals.borrow().is_some() {
+            break;
+        }
         if let Err(missing) = env::Env::available(combo) {
             if ci {
                 reports.push(report::ComboReport {
@@ -256,7 +333,19 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
             }
             continue;
         }
-        let r = run::run_combo(combo, &settings, seed).await;
+        let r = run::run_combo(combo, &settings, seed, signals.clone()).await;
+        if let Some(name) = *signals.borrow() {
+            let stopped = torn_down(TEARDOWN_LIMIT).await;
+            println!(
+                "{}: interrupted by {name}: {}",
+                combo.name,
+                if stopped {
+                    "every process and server the run started is stopped".to_string()
+                } else {
+                    format!("some processes or servers were still running after {TEARDOWN_LIMIT:?}")
+                }
+            );
+        }
         println!(
             "{}: {} in {:.1?}{}",
             r.name,
@@ -288,6 +377,7 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
             println!("{}: ERROR: {e}", r.name);
         }
     }
+    listener.abort();
     let passed = reports.iter().all(report::ComboReport::passed);
     let errored = reports.iter().any(|r| r.error.is_some());
     println!(

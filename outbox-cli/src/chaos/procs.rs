@@ -43,6 +43,8 @@ struct Inner {
     slots: Vec<Slot>,
     stats: FleetStats,
     stopping: bool,
+    /// Last: released after [`Drop`] killed the processes.
+    _live: super::Live,
 }
 
 /// Every relay and consumer process of one combination run.
@@ -79,7 +81,12 @@ impl Fleet {
             logs: logs.to_path_buf(),
             relay_args: Arc::new(relay_args),
             consumer_args: Arc::new(consumer_args),
-            inner: Arc::new(Mutex::new(Inner { slots, stats: FleetStats::default(), stopping: false })),
+            inner: Arc::new(Mutex::new(Inner {
+                slots,
+                stats: FleetStats::default(),
+                stopping: false,
+                _live: super::Live::new(),
+            })),
         })
     }
 

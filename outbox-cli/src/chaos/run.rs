@@ -38,8 +38,12 @@ const BAD_INPUT_GRACE: Duration = Duration::from_secs(30);
 /// Size of the oversized header value.
 const OVERSIZED: usize = 10 * 1024 * 1024;
 
-/// Run one combination; errors end up in the report, never as a panic.
-pub(crate) async fn run_combo(combo: Combo, settings: &Settings, seed: u64) -> ComboReport {
+/// Which signal interrupted the run, once one has ([`super::interrupted`]).
+pub(crate) type Signals = tokio::sync::watch::Receiver<Option<&'static str>>;
+
+/// Run one combination; errors end up in the report, never as a panic. A signal on `signals`
+/// ends it early: its tasks are aborted and its processes and servers stopped.
+pub(crate) async fn run_combo(combo: Combo, settings: &Settings, seed: u64, signals: Signals) -> ComboReport {
     let started = Instant::now();
     let cseed = schedule::combo_seed(seed, combo.name);
     let schedule = schedule::build(cseed, settings.window, combo.has_pg(), settings.relays, settings.consumers);
@@ -67,7 +71,7 @@ pub(crate) async fn run_combo(combo: Combo, settings: &Settings, seed: u64) -> C
             return report;
         }
     };
-    if let Err(e) = play(combo, settings, &schedule, dir.path(), &mut report).await {
+    if let Err(e) = play(combo, settings, &schedule, dir.path(), &mut report, signals).await {
         report.error = Some(e.to_string().replace(['\n', '\r'], " "));
     }
     report.duration = started.elapsed();
@@ -84,11 +88,47 @@ async fn play(
     schedule: &Schedule,
     dir: &Path,
     report: &mut ComboReport,
+    mut signals: Signals,
 ) -> Result<()> {
-    let env = Arc::new(Env::start(combo, dir).await?);
-    let outcome = play_in(combo, settings, schedule, dir, report, &env).await;
+    let interrupted = |name: &str| Error::permanent(ErrorKind::Rejected, "chaos", format!("interrupted by {name}"));
+    let env = tokio::select! {
+        env = Env::start(combo, dir) => Arc::new(env?),
+        name = super::interrupted(&mut signals) => return Err(interrupted(name)),
+    };
+    // The run's future is dropped on a signal (its tasks abort with it); the cleanup of what it
+    // declared on a shared server runs either way.
+    let outcome = tokio::select! {
+        r = play_in(combo, settings, schedule, dir, report, &env) => r,
+        name = super::interrupted(&mut signals) => Err(interrupted(name)),
+    };
     env.cleanup().await;
     outcome
+}
+
+/// A spawned task aborted when its handle is dropped, so that a run dropped on a signal leaves
+/// no task holding its servers or its fleet.
+struct Scoped<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for Scoped<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<T> std::future::Future for Scoped<T> {
+    type Output = std::result::Result<T, tokio::task::JoinError>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+fn scoped<F>(task: F) -> Scoped<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    Scoped(tokio::spawn(task))
 }
 
 async fn play_in(
@@ -171,7 +211,7 @@ async fn play_in(
     let stop = Arc::new(AtomicBool::new(false));
     let supervisor = {
         let (fleet, stop) = (fleet.clone(), stop.clone());
-        tokio::spawn(async move {
+        scoped(async move {
             while !stop.load(Ordering::SeqCst) {
                 fleet.tick()?;
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -200,11 +240,11 @@ async fn play_in(
         };
         producers.spawn(job.run());
     }
-    let faults = tokio::spawn(execute_faults(schedule.faults.clone(), env.clone(), fleet.clone(), log.clone(), start));
-    let sampler = settings.stats_window.map(|w| tokio::spawn(sample(site.clone(), w, stop.clone())));
+    let faults = scoped(execute_faults(schedule.faults.clone(), env.clone(), fleet.clone(), log.clone(), start));
+    let sampler = settings.stats_window.map(|w| scoped(sample(site.clone(), w, stop.clone())));
     // With retention on, relays delete published rows: keep what the judge needs of them.
     let kept: Arc<Mutex<BTreeMap<String, RowTimes>>> = Arc::default();
-    let keeper = settings.retain_published.map(|_| tokio::spawn(keep_rows(site.clone(), kept.clone(), stop.clone())));
+    let keeper = settings.retain_published.map(|_| scoped(keep_rows(site.clone(), kept.clone(), stop.clone())));
 
     // Bad inputs, at their times, from here.
     for (at, kind) in &schedule.bad {

@@ -180,5 +180,6 @@ fn sigterm_stops_every_process_and_server_the_run_started() {
         stdout.contains("pg-redis: interrupted by SIGTERM: every process and server the run started is stopped"),
         "stdout:\n{stdout}\nstderr:\n{stderr}"
     );
+    assert!(stdout.contains("verdict: INTERRUPTED"), "stdout:\n{stdout}");
     assert!(stderr.contains("interrupted by SIGTERM"), "the error names the signal: {stderr}");
 }

@@ -380,9 +380,12 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
     listener.abort();
     let passed = reports.iter().all(report::ComboReport::passed);
     let errored = reports.iter().any(|r| r.error.is_some());
+    let interrupted = signals.borrow().is_some();
     println!(
         "verdict: {} — seed {seed}, {:.1?} in all",
-        if errored {
+        if interrupted {
+            "INTERRUPTED"
+        } else if errored {
             "ERROR"
         } else if passed {
             "PASS"
@@ -395,7 +398,7 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
         let json = report::Json::obj(vec![
             ("seed", report::Json::Num(i128::from(seed))),
             ("profile", report::Json::Str(profile.into())),
-            ("passed", report::Json::Bool(passed && !errored)),
+            ("passed", report::Json::Bool(passed && !errored && !interrupted)),
             ("duration_ms", report::Json::Num(started.elapsed().as_millis() as i128)),
             ("window_ms", report::Json::Num(settings.window.as_millis() as i128)),
             ("combos", report::Json::Arr(reports.iter().map(report::combo_json).collect())),
@@ -409,6 +412,14 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
             ErrorKind::Rejected,
             "chaos",
             format!("{}: {}", r.name, r.error.as_deref().unwrap_or_default()),
+        ));
+    }
+    // A signal between combinations (or as one ended) still means not every one ran.
+    if let Some(name) = *signals.borrow() {
+        return Err(Error::permanent(
+            ErrorKind::Rejected,
+            "chaos",
+            format!("interrupted by {name}: {} of the combinations ran", reports.len()),
         ));
     }
     Ok(passed)

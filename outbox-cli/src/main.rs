@@ -20,6 +20,7 @@ mod json;
 mod metrics;
 mod ops;
 mod relay;
+mod signals;
 
 /// Exit code of a runtime error.
 const EXIT_ERROR: u8 = 1;

@@ -185,36 +185,17 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
     Ok(())
 }
 
-/// First SIGTERM/SIGINT: graceful shutdown. A second one: exit at once (status 130), for an
-/// operator who will not wait for a publish stuck on a dead broker.
+/// First SIGTERM/SIGINT: graceful shutdown. A second one: exit at once (status 130).
 async fn wait_for_signals(shutdown: outbox::Shutdown) {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            warn!(target: "outbox.relay", error = %e, "cannot listen for SIGTERM; only SIGINT stops the relay");
-            let _ = tokio::signal::ctrl_c().await;
-            shutdown.trigger();
-            return;
-        }
-    };
-    for n in 0.. {
-        tokio::select! {
-            _ = term.recv() => {}
-            r = tokio::signal::ctrl_c() => {
-                if r.is_err() {
-                    // No SIGINT handler: keep waiting for SIGTERM only.
-                    term.recv().await;
-                }
-            }
-        }
-        if n == 0 {
+    crate::signals::first_then_exit(
+        |_| {
             info!(target: "outbox.relay", "signal received: finishing in-flight publishes, releasing the rest");
             shutdown.trigger();
-        } else {
-            warn!(target: "outbox.relay", "second signal: exiting now; unfinished rows are retried after their lease");
-            std::process::exit(130);
-        }
-    }
+        },
+        |_| warn!(target: "outbox.relay", "second signal: exiting now; unfinished rows are retried after their lease"),
+        |name, e| warn!(target: "outbox.relay", error = %e, "cannot listen for {name}; only the other signal stops the relay"),
+    )
+    .await;
 }
 
 /// Map an I/O error of the metrics listener.

@@ -240,25 +240,15 @@ const TEARDOWN_LIMIT: Duration = Duration::from_secs(60);
 
 /// The first SIGTERM or SIGINT, by name, on `tx`; a second one exits at once (status 130).
 async fn forward_signals(tx: tokio::sync::watch::Sender<Option<&'static str>>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        eprintln!("outbox chaos: cannot listen for SIGTERM/SIGINT; a signal will not stop the run's processes");
-        return;
-    };
-    let mut seen = false;
-    loop {
-        let name = tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-        };
-        if seen {
-            eprintln!("outbox chaos: second signal ({name}): exiting now; processes may be left running");
-            std::process::exit(130);
-        }
-        seen = true;
-        eprintln!("outbox chaos: {name}: stopping the run's relays, consumers and servers (again to exit at once)");
-        let _ = tx.send(Some(name));
-    }
+    crate::signals::first_then_exit(
+        |name| {
+            eprintln!("outbox chaos: {name}: stopping the run's relays, consumers and servers (again to exit at once)");
+            let _ = tx.send(Some(name));
+        },
+        |name| eprintln!("outbox chaos: second signal ({name}): exiting now; processes may be left running"),
+        |name, e| eprintln!("outbox chaos: cannot listen for {name} ({e}); it will not stop the run's processes"),
+    )
+    .await;
 }
 
 /// Resolves with the signal's name once the run is interrupted.

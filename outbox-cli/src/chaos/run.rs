@@ -12,6 +12,7 @@ use outbox::core::DeadLetterReason;
 use outbox::core::rng::SplitMix64;
 use outbox::{Broker, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, Result};
 use tokio::task::JoinSet;
+use tokio_util::task::AbortOnDropHandle;
 
 use super::env::Env;
 use super::procs::{Fleet, Kind};
@@ -90,16 +91,16 @@ async fn play(
     report: &mut ComboReport,
     mut signals: Signals,
 ) -> Result<()> {
-    let interrupted = |name: &str| Error::permanent(ErrorKind::Rejected, "chaos", format!("interrupted by {name}"));
+    let stopped_by = |name: &str| Error::permanent(ErrorKind::Rejected, "chaos", format!("interrupted by {name}"));
     let env = tokio::select! {
         env = Env::start(combo, dir) => Arc::new(env?),
-        name = super::interrupted(&mut signals) => return Err(interrupted(name)),
+        name = super::interrupted(&mut signals) => return Err(stopped_by(name)),
     };
     // The run's future is dropped on a signal (its tasks abort with it); the cleanup of what it
     // declared on a shared server runs either way.
     let outcome = tokio::select! {
         r = play_in(combo, settings, schedule, dir, report, &env) => r,
-        name = super::interrupted(&mut signals) => Err(interrupted(name)),
+        name = super::interrupted(&mut signals) => Err(stopped_by(name)),
     };
     env.cleanup().await;
     outcome
@@ -107,28 +108,12 @@ async fn play(
 
 /// A spawned task aborted when its handle is dropped, so that a run dropped on a signal leaves
 /// no task holding its servers or its fleet.
-struct Scoped<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for Scoped<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-impl<T> std::future::Future for Scoped<T> {
-    type Output = std::result::Result<T, tokio::task::JoinError>;
-
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        std::pin::Pin::new(&mut self.0).poll(cx)
-    }
-}
-
-fn scoped<F>(task: F) -> Scoped<F::Output>
+fn scoped<F>(task: F) -> AbortOnDropHandle<F::Output>
 where
     F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    Scoped(tokio::spawn(task))
+    AbortOnDropHandle::new(tokio::spawn(task))
 }
 
 async fn play_in(

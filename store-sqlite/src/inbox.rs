@@ -21,7 +21,7 @@ use rusqlite::{Connection, OptionalExtension};
 
 use crate::error::{BACKEND, ResultExt, corrupt, map_commit, sqlite_error};
 use crate::pool::Checkout;
-use crate::store::{SqliteStore, write_tx};
+use crate::store::SqliteStore;
 
 /// An open inbox transaction on a [`SqliteStore`]: one pooled connection inside
 /// `BEGIN IMMEDIATE`.
@@ -252,29 +252,27 @@ impl InboxAdmin for SqliteStore {
         let (c, ids) = (consumer.to_string(), ids.to_vec());
         let what = "remove dead letters";
         self.pool()
-            .run(move |conn| {
-                write_tx(conn, what, |tx| {
-                    let mut delete = tx
-                        .prepare_cached(
-                            "DELETE FROM outbox_inbox_dead_letters WHERE consumer = ?1 AND id = ?2 RETURNING event_id",
-                        )
-                        .ctx(what)?;
-                    let mut removed = Vec::new();
-                    for id in &ids {
-                        if let Some(event_id) =
-                            delete.query_row((&c, id), |r| r.get::<_, String>(0)).optional().ctx(what)?
-                        {
-                            removed.push(event_id);
-                        }
+            .write(what, move |tx| {
+                let mut delete = tx
+                    .prepare_cached(
+                        "DELETE FROM outbox_inbox_dead_letters WHERE consumer = ?1 AND id = ?2 RETURNING event_id",
+                    )
+                    .ctx(what)?;
+                let mut removed = Vec::new();
+                for id in &ids {
+                    if let Some(event_id) =
+                        delete.query_row((&c, id), |r| r.get::<_, String>(0)).optional().ctx(what)?
+                    {
+                        removed.push(event_id);
                     }
-                    let mut clear = tx
-                        .prepare_cached("DELETE FROM outbox_inbox_failures WHERE consumer = ?1 AND event_id = ?2")
-                        .ctx(what)?;
-                    for event_id in &removed {
-                        clear.execute((&c, event_id)).ctx(what)?;
-                    }
-                    Ok(removed.len() as u64)
-                })
+                }
+                let mut clear = tx
+                    .prepare_cached("DELETE FROM outbox_inbox_failures WHERE consumer = ?1 AND event_id = ?2")
+                    .ctx(what)?;
+                for event_id in &removed {
+                    clear.execute((&c, event_id)).ctx(what)?;
+                }
+                Ok(removed.len() as u64)
             })
             .await
     }
@@ -285,17 +283,15 @@ impl InboxAdmin for SqliteStore {
         let clock: SharedClock = Arc::clone(self.clock());
         let what = "prune inbox markers";
         self.pool()
-            .run(move |conn| {
-                write_tx(conn, what, |tx| {
-                    // Same rule as the reference: delete when `now - at > older_than`.
-                    let cutoff = clock.now().0.saturating_sub(older);
-                    let n = tx
-                        .prepare_cached("DELETE FROM outbox_inbox_markers WHERE consumer = ?1 AND at < ?2")
-                        .ctx(what)?
-                        .execute((&c, cutoff))
-                        .ctx(what)?;
-                    Ok(n as u64)
-                })
+            .write(what, move |tx| {
+                // Same rule as the reference: delete when `now - at > older_than`.
+                let cutoff = clock.now().0.saturating_sub(older);
+                let n = tx
+                    .prepare_cached("DELETE FROM outbox_inbox_markers WHERE consumer = ?1 AND at < ?2")
+                    .ctx(what)?
+                    .execute((&c, cutoff))
+                    .ctx(what)?;
+                Ok(n as u64)
             })
             .await
     }
@@ -516,19 +512,17 @@ impl Inbox for SqliteStore {
         let clock = Arc::clone(self.clock());
         let what = "record a handler failure";
         self.pool()
-            .run(move |conn| {
-                write_tx(conn, what, |tx| {
-                    let n: i64 = tx
-                        .prepare_cached(
-                            "INSERT INTO outbox_inbox_failures (consumer, event_id, count, at) VALUES (?1, ?2, 1, ?3)
+            .write(what, move |tx| {
+                let n: i64 = tx
+                    .prepare_cached(
+                        "INSERT INTO outbox_inbox_failures (consumer, event_id, count, at) VALUES (?1, ?2, 1, ?3)
                              ON CONFLICT (consumer, event_id) DO UPDATE SET count = count + 1, at = excluded.at
                              RETURNING count",
-                        )
-                        .ctx(what)?
-                        .query_row((&c, &id, clock.now().0), |r| r.get(0))
-                        .ctx(what)?;
-                    u32::try_from(n).map_err(|_| corrupt(format!("failure count ({c}, {id}) is {n}")))
-                })
+                    )
+                    .ctx(what)?
+                    .query_row((&c, &id, clock.now().0), |r| r.get(0))
+                    .ctx(what)?;
+                u32::try_from(n).map_err(|_| corrupt(format!("failure count ({c}, {id}) is {n}")))
             })
             .await
     }

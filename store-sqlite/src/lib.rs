@@ -16,6 +16,8 @@ pub use enqueue::{enqueue, enqueue_one};
 pub use error::sqlite_error;
 pub use inbox::SqliteTx;
 pub use schema::SCHEMA_VERSION;
+#[cfg(feature = "testkit")]
+pub use store::ClaimSql;
 pub use store::{SqliteInbox, SqliteStore};
 
 /// The `rusqlite` this crate is built with, so callers use the same `Connection` and

@@ -13,7 +13,7 @@ use std::time::Duration;
 use outbox_core::Result;
 
 use crate::error::ResultExt;
-use crate::store::{SqliteStore, to_sql_limit, write_tx};
+use crate::store::{SqliteStore, to_sql_limit};
 
 const PURGE: &str = "DELETE FROM outbox_rows WHERE row_id IN (
     SELECT row_id FROM outbox_rows
@@ -32,17 +32,15 @@ pub(crate) async fn purge_published(store: &SqliteStore, older_than: Duration, l
     let clock = Arc::clone(store.clock());
     store
         .pool()
-        .run(move |conn| {
-            write_tx(conn, "purge published rows", |tx| {
-                // Read after the write lock is taken, like every other decision of this store.
-                let cutoff = clock.now().as_millis().saturating_sub(age);
-                let n = tx
-                    .prepare_cached(PURGE)
-                    .ctx("purge published rows")?
-                    .execute((cutoff, limit))
-                    .ctx("purge published rows")?;
-                Ok(n as u64)
-            })
+        .write("purge published rows", move |tx| {
+            // Read after the write lock is taken, like every other decision of this store.
+            let cutoff = clock.now().as_millis().saturating_sub(age);
+            let n = tx
+                .prepare_cached(PURGE)
+                .ctx("purge published rows")?
+                .execute((cutoff, limit))
+                .ctx("purge published rows")?;
+            Ok(n as u64)
         })
         .await
 }

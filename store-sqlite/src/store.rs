@@ -320,13 +320,11 @@ impl SqliteStore {
         let owner = lease.owner.clone();
         let clock = Arc::clone(&self.clock);
         self.pool
-            .run(move |conn| {
-                write_tx(conn, what, |tx| {
-                    let mut params = vec![Value::Integer(row), Value::Integer(token), Value::Text(owner)];
-                    params.extend(extra(clock.now()));
-                    let n = tx.prepare_cached(sql).ctx(what)?.execute(rusqlite::params_from_iter(params)).ctx(what)?;
-                    Ok(if n == 1 { Outcome::Applied } else { Outcome::Fenced })
-                })
+            .write(what, move |tx| {
+                let mut params = vec![Value::Integer(row), Value::Integer(token), Value::Text(owner)];
+                params.extend(extra(clock.now()));
+                let n = tx.prepare_cached(sql).ctx(what)?.execute(rusqlite::params_from_iter(params)).ctx(what)?;
+                Ok(if n == 1 { Outcome::Applied } else { Outcome::Fenced })
             })
             .await
     }
@@ -506,6 +504,43 @@ macro_rules! key_order_sql {
         )
     };
 }
+/// The claim's last statement: lease the rows [`claimable_ids`] picked (`?3`, a JSON array) to
+/// `?1` until `?2`, and return them.
+const CLAIM_UPDATE_SQL: &str = concat!(
+    "UPDATE outbox_rows SET token = token + 1, owner = ?1, lease_expires_at = ?2
+     WHERE row_id IN (SELECT value FROM json_each(?3))
+     RETURNING ",
+    row_columns!()
+);
+
+/// The statements of a claim, exactly as [`SqliteStore`] runs them in one `BEGIN IMMEDIATE`
+/// transaction, for benchmarks that do the same work by hand. Only with the `testkit` feature,
+/// not part of the stable API.
+#[cfg(any(test, feature = "testkit"))]
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct ClaimSql {
+    /// Open, due, unleased rows whose key's head is not blocked, in row order: `?1` now in ms,
+    /// `?2` limit; returns `row_id, event_key`.
+    pub candidates: &'static str,
+    /// For each key of `?1` (a JSON array of candidate ids): the key's first unpublished row
+    /// that is not a candidate, or `NULL`; returns `event_key, row_id`. A candidate after its
+    /// key's gap is not claimed.
+    pub gaps: &'static str,
+    /// Lease the picked rows: `?1` owner, `?2` lease expiry in ms, `?3` the ids as a JSON array;
+    /// returns every column of each row.
+    pub update: &'static str,
+}
+
+#[cfg(any(test, feature = "testkit"))]
+impl SqliteStore {
+    /// The claim's statements under this store's [`ParkedHead`].
+    pub fn claim_sql(&self) -> ClaimSql {
+        let (candidates, gaps) = key_order_sql(self.parked_head);
+        ClaimSql { candidates, gaps, update: CLAIM_UPDATE_SQL }
+    }
+}
+
 /// The candidates statement and the gap statement of [`claimable_ids`] under `parked_head`.
 fn key_order_sql(parked_head: ParkedHead) -> (&'static str, &'static str) {
     match parked_head {
@@ -596,10 +631,7 @@ impl OutboxStore for SqliteStore {
         // Injected here, on the caller's span, not on the pool's thread.
         let events = outbox_core::telemetry::with_trace_context(events).into_owned();
         let clock = Arc::clone(&self.clock);
-        let ids = self
-            .pool
-            .run(move |conn| write_tx(conn, "enqueue", |tx| insert_events(tx, &events, clock.now(), max_payload)))
-            .await?;
+        let ids = self.pool.write("enqueue", move |tx| insert_events(tx, &events, clock.now(), max_payload)).await?;
         // Committed: a woken relay's claim sees the rows.
         self.wakeup.notify();
         Ok(ids)
@@ -614,35 +646,23 @@ impl OutboxStore for SqliteStore {
         let limit = to_sql_limit(limit);
         let parked_head = self.parked_head;
         self.pool
-            .run(move |conn| {
-                write_tx(conn, "claim", |tx| {
-                    let now = clock.now();
-                    let expires_at = now.plus(lease);
-                    let ids = claimable_ids(tx, parked_head, now, limit)?;
-                    if ids.is_empty() {
-                        return Ok(Vec::new());
-                    }
-                    let ids = json_array(&ids);
-                    let mut rows = query_rows(
-                        tx,
-                        "claim",
-                        concat!(
-                            "UPDATE outbox_rows SET token = token + 1, owner = ?1, lease_expires_at = ?2
-                             WHERE row_id IN (SELECT value FROM json_each(?3))
-                             RETURNING ",
-                            row_columns!()
-                        ),
-                        (&owner, expires_at.0, ids),
-                    )?;
-                    rows.sort_by_key(|r| r.row_id);
-                    Ok(rows
-                        .into_iter()
-                        .map(|r| Claimed {
-                            lease: Lease { owner: owner.clone(), token: r.token, expires_at },
-                            record: r.into_record(),
-                        })
-                        .collect())
-                })
+            .write("claim", move |tx| {
+                let now = clock.now();
+                let expires_at = now.plus(lease);
+                let ids = claimable_ids(tx, parked_head, now, limit)?;
+                if ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let ids = json_array(&ids);
+                let mut rows = query_rows(tx, "claim", CLAIM_UPDATE_SQL, (&owner, expires_at.0, ids))?;
+                rows.sort_by_key(|r| r.row_id);
+                Ok(rows
+                    .into_iter()
+                    .map(|r| Claimed {
+                        lease: Lease { owner: owner.clone(), token: r.token, expires_at },
+                        record: r.into_record(),
+                    })
+                    .collect())
             })
             .await
     }
@@ -659,26 +679,24 @@ impl OutboxStore for SqliteStore {
         let rows = rows.to_vec();
         let clock = Arc::clone(&self.clock);
         self.pool
-            .run(move |conn| {
-                write_tx(conn, "complete", |tx| {
-                    let now = clock.now();
-                    let mut stmt = tx
-                        .prepare_cached(concat!(
-                            "UPDATE outbox_rows SET published_token = token, published_at = ?4, lease_expires_at = NULL
+            .write("complete", move |tx| {
+                let now = clock.now();
+                let mut stmt = tx
+                    .prepare_cached(concat!(
+                        "UPDATE outbox_rows SET published_token = token, published_at = ?4, lease_expires_at = NULL
                              WHERE ",
-                            holds_lease!()
-                        ))
-                        .ctx("complete")?;
-                    let mut out = Vec::with_capacity(rows.len());
-                    for (row, lease) in &rows {
-                        let n = match i64::try_from(lease.token) {
-                            Ok(token) => stmt.execute((row, token, &lease.owner, now.0)).ctx("complete")?,
-                            Err(_) => 0,
-                        };
-                        out.push(if n == 1 { Completion::Published } else { Completion::Fenced });
-                    }
-                    Ok(out)
-                })
+                        holds_lease!()
+                    ))
+                    .ctx("complete")?;
+                let mut out = Vec::with_capacity(rows.len());
+                for (row, lease) in &rows {
+                    let n = match i64::try_from(lease.token) {
+                        Ok(token) => stmt.execute((row, token, &lease.owner, now.0)).ctx("complete")?,
+                        Err(_) => 0,
+                    };
+                    out.push(if n == 1 { Completion::Published } else { Completion::Fenced });
+                }
+                Ok(out)
             })
             .await
     }
@@ -782,21 +800,19 @@ impl OutboxAdmin for SqliteStore {
         let rows = rows.to_vec();
         let clock = Arc::clone(&self.clock);
         self.pool
-            .run(move |conn| {
-                write_tx(conn, "requeue parked rows", |tx| {
-                    let now = clock.now();
-                    let mut stmt = tx
-                        .prepare_cached(
-                            "UPDATE outbox_rows SET parked_at = NULL, attempts = 0, available_at = ?2
+            .write("requeue parked rows", move |tx| {
+                let now = clock.now();
+                let mut stmt = tx
+                    .prepare_cached(
+                        "UPDATE outbox_rows SET parked_at = NULL, attempts = 0, available_at = ?2
                              WHERE row_id = ?1 AND parked_at IS NOT NULL AND published_token IS NULL",
-                        )
-                        .ctx("requeue parked rows")?;
-                    let mut n = 0u64;
-                    for row in &rows {
-                        n += stmt.execute((row, now.0)).ctx("requeue parked rows")? as u64;
-                    }
-                    Ok(n)
-                })
+                    )
+                    .ctx("requeue parked rows")?;
+                let mut n = 0u64;
+                for row in &rows {
+                    n += stmt.execute((row, now.0)).ctx("requeue parked rows")? as u64;
+                }
+                Ok(n)
             })
             .await
     }
@@ -807,17 +823,15 @@ impl OutboxAdmin for SqliteStore {
         }
         let rows = rows.to_vec();
         self.pool
-            .run(move |conn| {
-                write_tx(conn, "purge parked rows", |tx| {
-                    let mut stmt = tx
-                        .prepare_cached("DELETE FROM outbox_rows WHERE row_id = ?1 AND parked_at IS NOT NULL")
-                        .ctx("purge parked rows")?;
-                    let mut n = 0u64;
-                    for row in &rows {
-                        n += stmt.execute([row]).ctx("purge parked rows")? as u64;
-                    }
-                    Ok(n)
-                })
+            .write("purge parked rows", move |tx| {
+                let mut stmt = tx
+                    .prepare_cached("DELETE FROM outbox_rows WHERE row_id = ?1 AND parked_at IS NOT NULL")
+                    .ctx("purge parked rows")?;
+                let mut n = 0u64;
+                for row in &rows {
+                    n += stmt.execute([row]).ctx("purge parked rows")? as u64;
+                }
+                Ok(n)
             })
             .await
     }

@@ -125,11 +125,30 @@ pub(crate) async fn pg_sql_with(fx: &PgFixture, claim: &str, n: usize, batch: us
     Ok(per_second(n, elapsed))
 }
 
+/// `ids` as the JSON array the SQLite claim's statements take.
+fn json_ids(ids: &[i64]) -> String {
+    let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+    format!("[{}]", list.join(","))
+}
+
+/// Which claim the raw rusqlite loop runs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum SqliteClaim {
+    /// The store's own statements (key order: candidates, the keys' gaps, then the update).
+    Store,
+    /// One `UPDATE … WHERE row_id IN (first open, due, unleased rows in row order)`: the claim
+    /// before per-key order, to show what key order costs.
+    BeforeKeyOrder,
+}
+
 /// Raw rusqlite on one connection of the store's own settings: per batch one `BEGIN IMMEDIATE`
-/// transaction with the store's claim statement (every column returned and read), then one with
-/// the store's fenced completion per row (a cached statement), as `SqliteStore` runs them.
-pub(crate) async fn sqlite(store: &SqliteStore, n: usize, batch: usize) -> Result<f64> {
+/// transaction with the claim (every column returned and read), then one with the store's fenced
+/// completion per row (a cached statement), as `SqliteStore` runs them. With
+/// [`SqliteClaim::Store`] the claim is the store's statements, the candidates filtered at their
+/// keys' gaps by hand.
+pub(crate) async fn sqlite(store: &SqliteStore, n: usize, batch: usize, claim: SqliteClaim) -> Result<f64> {
     let mut conn = store.connect_raw()?;
+    let statements = store.claim_sql();
     let lease_ms = i64::try_from(LEASE.as_millis()).unwrap_or(i64::MAX);
     let limit = i64::try_from(batch).unwrap_or(i64::MAX);
     let (done, elapsed) = tokio::task::spawn_blocking(move || -> rusqlite::Result<(usize, Duration)> {
@@ -141,24 +160,56 @@ pub(crate) async fn sqlite(store: &SqliteStore, n: usize, batch: usize) -> Resul
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
             let at = now();
             let mut claimed: Vec<(i64, i64)> = Vec::new();
-            {
-                let mut stmt = tx.prepare_cached(
-                    "UPDATE outbox_rows SET token = token + 1, owner = ?1, lease_expires_at = ?2
-                     WHERE row_id IN (
-                         SELECT row_id FROM outbox_rows
-                         WHERE published_token IS NULL AND parked_at IS NULL
-                           AND available_at <= ?3
-                           AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
-                         ORDER BY row_id LIMIT ?4)
-                     RETURNING row_id, event_id, destination, event_key, headers, payload, attempts, token, owner,
-                         lease_expires_at, available_at, created_at, published_token, parked_at, last_error",
-                )?;
-                let mut rows = stmt.query((OWNER, at + lease_ms, at, limit))?;
-                while let Some(r) = rows.next()? {
-                    // Read every column, as the store decodes every column into a record.
-                    let _: (String, String, Option<String>, Vec<u8>, Vec<u8>) =
-                        (r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?);
-                    claimed.push((r.get(0)?, r.get(7)?));
+            let mut read = |r: &rusqlite::Row<'_>| -> rusqlite::Result<()> {
+                // Read every column, as the store decodes every column into a record.
+                let _: (String, String, Option<String>, Vec<u8>, Vec<u8>) =
+                    (r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?);
+                claimed.push((r.get(0)?, r.get(7)?));
+                Ok(())
+            };
+            match claim {
+                SqliteClaim::BeforeKeyOrder => {
+                    let mut stmt = tx.prepare_cached(
+                        "UPDATE outbox_rows SET token = token + 1, owner = ?1, lease_expires_at = ?2
+                         WHERE row_id IN (
+                             SELECT row_id FROM outbox_rows
+                             WHERE published_token IS NULL AND parked_at IS NULL
+                               AND available_at <= ?3
+                               AND (lease_expires_at IS NULL OR lease_expires_at <= ?3)
+                             ORDER BY row_id LIMIT ?4)
+                         RETURNING row_id, event_id, destination, event_key, headers, payload, attempts, token, owner,
+                             lease_expires_at, available_at, created_at, published_token, parked_at, last_error",
+                    )?;
+                    let mut rows = stmt.query((OWNER, at + lease_ms, at, limit))?;
+                    while let Some(r) = rows.next()? {
+                        read(r)?;
+                    }
+                }
+                SqliteClaim::Store => {
+                    let candidates: Vec<(i64, Option<String>)> = tx
+                        .prepare_cached(statements.candidates)?
+                        .query_map((at, limit), |r| Ok((r.get(0)?, r.get(1)?)))?
+                        .collect::<rusqlite::Result<_>>()?;
+                    let mut ids: Vec<i64> = candidates.iter().map(|(id, _)| *id).collect();
+                    if candidates.iter().any(|(_, key)| key.is_some()) {
+                        let gaps: std::collections::HashMap<String, i64> = tx
+                            .prepare_cached(statements.gaps)?
+                            .query_map([json_ids(&ids)], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Option<i64>>(1)?)))?
+                            .filter_map(|r| r.map(|(key, gap)| gap.map(|gap| (key, gap))).transpose())
+                            .collect::<rusqlite::Result<_>>()?;
+                        ids = candidates
+                            .into_iter()
+                            .filter(|(id, key)| key.as_ref().and_then(|k| gaps.get(k)).is_none_or(|gap| id < gap))
+                            .map(|(id, _)| id)
+                            .collect();
+                    }
+                    if !ids.is_empty() {
+                        let mut stmt = tx.prepare_cached(statements.update)?;
+                        let mut rows = stmt.query((OWNER, at + lease_ms, json_ids(&ids)))?;
+                        while let Some(r) = rows.next()? {
+                            read(r)?;
+                        }
+                    }
                 }
             }
             tx.commit()?;

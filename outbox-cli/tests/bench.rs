@@ -14,7 +14,7 @@ use serde_json::Value;
 const LIMIT: Duration = Duration::from_secs(180);
 
 #[test]
-fn bench_p4_p5_reports_both_rows_with_positive_rates() {
+fn bench_p4_p5_reports_both_rows_with_positive_rates_over_two_runs() {
     let pg = service::pg_url();
     if !service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg)) {
         return;
@@ -22,7 +22,10 @@ fn bench_p4_p5_reports_both_rows_with_positive_rates() {
     let dir = tempfile::tempdir().unwrap();
     let json_path = dir.path().join("bench.json");
     let json_arg = json_path.to_str().unwrap();
-    let out = run(&["bench", "--events", "300", "--only", "P4,P5", "--seed", "7", "--json", json_arg], LIMIT);
+    let out = run(
+        &["bench", "--events", "300", "--only", "P4,P5", "--seed", "7", "--repeat", "2", "--json", json_arg],
+        LIMIT,
+    );
     let (stdout, stderr) = text(&out);
     println!("{stdout}");
     assert_eq!(out.status.code(), Some(0), "outbox bench failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
@@ -33,6 +36,7 @@ fn bench_p4_p5_reports_both_rows_with_positive_rates() {
         serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON file")).expect("valid JSON");
     assert_eq!(figures["seed"].as_u64(), Some(7), "{figures}");
     assert_eq!(figures["settings"]["events"].as_u64(), Some(300), "{figures}");
+    assert_eq!(figures["settings"]["repeat"].as_u64(), Some(2), "{figures}");
     let subjects = figures["subjects"].as_array().expect("subjects");
     let ran: Vec<(&str, &str)> =
         subjects.iter().map(|s| (s["subject"].as_str().unwrap(), s["status"].as_str().unwrap())).collect();
@@ -50,24 +54,32 @@ fn bench_p4_p5_reports_both_rows_with_positive_rates() {
         assert!(row["pass"].is_boolean(), "{id}: a verdict: {row}");
         assert_eq!(row["seed"].as_u64(), Some(7), "{id}: {row}");
         assert!(!row["configuration"].as_str().unwrap_or_default().is_empty(), "{id}: a configuration: {row}");
+        let runs: Vec<f64> =
+            row["run_ratios"].as_array().expect("run_ratios").iter().filter_map(Value::as_f64).collect();
+        assert_eq!(runs.len(), 2, "{id}: one ratio per run: {row}");
+        let ratio = row["ratio"].as_f64().unwrap();
+        assert_eq!(ratio, runs.iter().copied().fold(f64::INFINITY, f64::min), "{id}: of two runs, the lower: {row}");
     }
 
-    // P4 named its schema before measuring; it must be gone (every subject cleans up).
-    let schema = stdout
+    // P4 named its schema before measuring, once per run; each must be gone (every subject
+    // cleans up).
+    let schemas: Vec<String> = stdout
         .split_whitespace()
-        .find(|w| w.starts_with("bench_p4_"))
+        .filter(|w| w.starts_with("bench_p4_"))
         .map(|w| w.trim_end_matches([';', ',']).to_string())
-        .unwrap_or_else(|| panic!("P4 prints its schema: {stdout}"));
+        .collect();
+    assert_eq!(schemas.len(), 2, "P4 prints its schema once per run: {stdout}");
+    assert_ne!(schemas[0], schemas[1], "each run in a schema of its own");
     let left: i64 = tokio::runtime::Runtime::new().unwrap().block_on(async {
         use outbox::postgres::sqlx::{self, Connection};
         let mut conn = sqlx::PgConnection::connect(&pg).await.expect("PostgreSQL");
-        sqlx::query_scalar("SELECT count(*) FROM information_schema.schemata WHERE schema_name = $1")
-            .bind(&schema)
+        sqlx::query_scalar("SELECT count(*) FROM information_schema.schemata WHERE schema_name = ANY($1)")
+            .bind(&schemas)
             .fetch_one(&mut conn)
             .await
             .unwrap()
     });
-    assert_eq!(left, 0, "schema {schema} was dropped after P4");
+    assert_eq!(left, 0, "schemas {schemas:?} were dropped after P4");
 }
 
 #[test]

@@ -66,6 +66,11 @@ pub(crate) struct BenchArgs {
     /// Write the table, the configuration and the seed to this JSON file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Run each subject this many times, its baseline again each time, and report per row the
+    /// run with the median ratio; every run's ratio is listed beside it. Ratios move between
+    /// runs by more than their goals' margins on a small machine, so 3 or 5 is worth the time.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    repeat: u32,
     /// Exit 3 when a ratio is below its goal (by default such a row is reported as FAIL and the
     /// exit code is 0).
     #[arg(long)]
@@ -140,6 +145,8 @@ pub(crate) struct Settings {
     pub(crate) keys: u64,
     pub(crate) pipeline_depth: usize,
     pub(crate) in_flight: usize,
+    /// Runs per subject (`--repeat`).
+    pub(crate) repeat: usize,
     pub(crate) seed: u64,
     pub(crate) pg: String,
     pub(crate) redis: String,
@@ -153,8 +160,15 @@ impl Settings {
     /// The configuration every row shares, for the header and the JSON.
     fn describe(&self) -> String {
         format!(
-            "events {} | batch {} | payload {} B | keys {} | relay pipeline depth {} | P6 in flight {} | seed {}",
-            self.events, self.batch, self.payload, self.keys, self.pipeline_depth, self.in_flight, self.seed
+            "events {} | batch {} | payload {} B | keys {} | relay pipeline depth {} | P6 in flight {} | runs per subject {} | seed {}",
+            self.events,
+            self.batch,
+            self.payload,
+            self.keys,
+            self.pipeline_depth,
+            self.in_flight,
+            self.repeat,
+            self.seed
         )
     }
 }
@@ -185,6 +199,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
         keys: u64::from(args.keys),
         pipeline_depth: args.pipeline_depth as usize,
         in_flight: args.in_flight as usize,
+        repeat: args.repeat as usize,
         seed,
         pg: args.pg.clone(),
         redis: args.redis.clone(),
@@ -224,13 +239,27 @@ pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
             continue;
         }
         let t = Instant::now();
-        let outcome = match subjects::run(subject, &settings).await {
-            Ok(rows) => Outcome::Rows(rows),
-            Err(e) => {
-                let text = e.to_string().replace(['\n', '\r'], " ");
-                println!("{}: ERROR: {text}", subject.name());
-                Outcome::Failed(text)
+        let mut runs = Vec::with_capacity(settings.repeat);
+        let mut failed = None;
+        for i in 0..settings.repeat {
+            if settings.repeat > 1 {
+                println!("{}: run {} of {}", subject.name(), i + 1, settings.repeat);
             }
+            // Names unique per run, as a run that failed may leave its schema or queue behind.
+            let run = Settings { run_id: format!("{}_{i}", settings.run_id), ..settings.clone() };
+            match subjects::run(subject, &run).await {
+                Ok(rows) => runs.push(rows),
+                Err(e) => {
+                    let text = e.to_string().replace(['\n', '\r'], " ");
+                    println!("{}: ERROR: {text}", subject.name());
+                    failed = Some(text);
+                    break;
+                }
+            }
+        }
+        let outcome = match failed {
+            Some(text) => Outcome::Failed(text),
+            None => Outcome::Rows(report::median(runs)),
         };
         println!("{}: done in {:.1} s", subject.name(), t.elapsed().as_secs_f64());
         outcomes.push((subject, outcome));

@@ -29,6 +29,8 @@ pub(crate) struct Row {
     pub(crate) seed: u64,
     /// `Some(true)` ratio ≥ goal, `Some(false)` below, `None` nothing to judge.
     pub(crate) pass: Option<bool>,
+    /// With `--repeat`: the ratio of every run, in run order (this row is the median one).
+    pub(crate) runs: Vec<f64>,
 }
 
 impl Row {
@@ -56,6 +58,7 @@ impl Row {
             components,
             seed,
             pass: None,
+            runs: Vec::new(),
         };
         row.pass = match (row.ratio(), row.goal) {
             (Some(r), Some(g)) => Some(r >= g),
@@ -68,6 +71,35 @@ impl Row {
     pub(crate) fn ratio(&self) -> Option<f64> {
         self.baseline_rate.filter(|b| *b > 0.0).map(|b| self.measured / b)
     }
+}
+
+/// The rows of `runs` (each run one `Vec` of rows, the same ids in the same order), one per id:
+/// the run whose ratio is the median of that id's ratios (the lower of the two middle ones for
+/// an even count, so that a tie never flatters), with every run's ratio in [`Row::runs`] and in
+/// the configuration column. One run comes back as it is. A row without a ratio keeps the first
+/// run's figures.
+pub(crate) fn median(runs: Vec<Vec<Row>>) -> Vec<Row> {
+    if runs.len() < 2 {
+        return runs.into_iter().next().unwrap_or_default();
+    }
+    let ids: Vec<String> = runs[0].iter().map(|r| r.id.clone()).collect();
+    let mut out = Vec::with_capacity(ids.len());
+    for id in ids {
+        let same: Vec<&Row> = runs.iter().filter_map(|run| run.iter().find(|r| r.id == id)).collect();
+        let ratios: Vec<f64> = same.iter().filter_map(|r| r.ratio()).collect();
+        let mut ranked: Vec<&Row> = same.iter().copied().filter(|r| r.ratio().is_some()).collect();
+        ranked.sort_by(|a, b| a.ratio().partial_cmp(&b.ratio()).unwrap_or(std::cmp::Ordering::Equal));
+        let Some(chosen) = ranked.get((ranked.len().max(1) - 1) / 2).or(same.first()) else { continue };
+        let mut row = (*chosen).clone();
+        if !ratios.is_empty() {
+            let list: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+            row.configuration =
+                format!("{}; ratios of {} runs: {} (median shown)", row.configuration, ratios.len(), list.join(", "));
+        }
+        row.runs = ratios;
+        out.push(row);
+    }
+    out
 }
 
 /// `47.1k`, `782k`, `950`.
@@ -166,6 +198,7 @@ fn row_json(r: &Row) -> Json {
         ("configuration", s(&r.configuration)),
         ("components", Json::Obj(r.components.iter().map(|(k, v)| (k.clone(), Json::Float(*v))).collect())),
         ("seed", Json::Num(r.seed.into())),
+        ("run_ratios", Json::Arr(r.runs.iter().map(|x| Json::Float(*x)).collect())),
     ])
 }
 
@@ -199,6 +232,7 @@ pub(crate) fn json(settings: &Settings, machine: &str, outcomes: &[(Subject, Out
                 ("keys", Json::Num(settings.keys.into())),
                 ("pipeline_depth", Json::Num(settings.pipeline_depth as i128)),
                 ("in_flight", Json::Num(settings.in_flight as i128)),
+                ("repeat", Json::Num(settings.repeat as i128)),
             ]),
         ),
         ("machine", s(machine)),
@@ -221,6 +255,30 @@ mod tests {
         let r = Row::new("P7/1", "relay", "-", 89.0, None, None, "", vec![], 1);
         assert_eq!(r.pass, None);
         assert!(row_json(&r).render().contains("\"ratio\": null"));
+    }
+
+    #[test]
+    fn repeated_runs_report_the_median_ratio_and_list_every_run() {
+        let run = |p4: f64, p7: f64| {
+            vec![
+                Row::new("P4", "relay", "raw SQL", p4, Some(100.0), Some(0.9), "cfg", vec![], 1),
+                Row::new("P7/1", "relay", "-", p7, None, None, "cfg", vec![], 1),
+            ]
+        };
+        let rows = median(vec![run(95.0, 10.0), run(80.0, 11.0), run(88.0, 12.0)]);
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[0].id.as_str(), rows[0].measured, rows[0].pass), ("P4", 88.0, Some(false)));
+        assert_eq!(rows[0].runs, vec![0.95, 0.80, 0.88]);
+        assert!(
+            rows[0].configuration.ends_with("ratios of 3 runs: 0.95, 0.80, 0.88 (median shown)"),
+            "{}",
+            rows[0].configuration
+        );
+        assert_eq!((rows[1].measured, rows[1].runs.len()), (10.0, 0), "no ratio: the first run, nothing listed");
+        // Two runs: the lower one, not the better one.
+        assert_eq!(median(vec![run(95.0, 1.0), run(80.0, 1.0)])[0].measured, 80.0);
+        // One run: as it is.
+        assert_eq!(median(vec![run(95.0, 1.0)])[0].configuration, "cfg");
     }
 
     #[test]

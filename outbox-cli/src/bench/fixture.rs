@@ -109,7 +109,8 @@ impl PgFixture {
         PgStore::connect(self.config.clone().with_pool_size(pool_size)).await
     }
 
-    /// Empty the outbox and enqueue `events` as the backlog, then `ANALYZE` (not timed).
+    /// Empty the outbox and enqueue `events` as the backlog, then `ANALYZE` and [`settle`] (not
+    /// timed).
     pub(crate) async fn fill(&self, events: &[Event]) -> Result<()> {
         sqlx::raw_sql(AssertSqlSafe(format!("TRUNCATE {}", self.events_table)))
             .execute(self.store.pool())
@@ -122,6 +123,10 @@ impl PgFixture {
             .execute(self.store.pool())
             .await
             .map_err(map_error)?;
+        // Best effort: `CHECKPOINT` needs a superuser or `pg_checkpoint`; without it the
+        // measurement just starts wherever the server's own checkpoints are.
+        let _ = sqlx::raw_sql("CHECKPOINT").execute(self.store.pool()).await;
+        settle().await;
         Ok(())
     }
 
@@ -154,6 +159,14 @@ impl PgFixture {
         let _ = conn.close().await;
         Ok(())
     }
+}
+
+/// Write every dirty page of the machine to disk (`sync`), so that a measurement does not pay
+/// for the writeback of the one before it: PostgreSQL, RabbitMQ and SQLite share one disk here,
+/// and a ratio of two runs minutes apart is only fair if both start from the same state.
+/// PostgreSQL fixtures also `CHECKPOINT` first. Not timed; a failure to run `sync` is ignored.
+pub(crate) async fn settle() {
+    let _ = tokio::task::spawn_blocking(|| std::process::Command::new("sync").status()).await;
 }
 
 /// Events per second of `n` events in `elapsed`.

@@ -396,6 +396,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
         for chunk in events.chunks(2000) {
             store.enqueue(chunk).await?;
         }
+        fixture::settle().await;
         let raw_rate = raw::sqlite(&store, s.events, s.batch, claim).await?;
         let stats = store.stats().await?;
         if stats.published != s.events as u64 || stats.pending + stats.leased + stats.parked != 0 {
@@ -409,6 +410,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
     for chunk in events.chunks(2000) {
         store.enqueue(chunk).await?;
     }
+    fixture::settle().await;
     let measured = relay_drain(Arc::new(store.clone()), Arc::new(InstantBroker), s, s.events).await?;
     let stats = store.stats().await?;
     if stats.published != s.events as u64 || stats.pending + stats.leased + stats.parked != 0 {

@@ -70,17 +70,30 @@ impl Pool {
     }
 
     /// Run `f` in a `BEGIN IMMEDIATE` transaction on a pooled connection, when no other write of
-    /// this pool is running (see the module docs); rolled back if `f` or the commit fails.
+    /// this pool is running (see the module docs); rolled back if `f` or the commit fails. Waits
+    /// at most the busy timeout for its turn, then at most the busy timeout for SQLite's lock;
+    /// either wait running out is a transient [`ErrorKind::Busy`].
     pub(crate) async fn write<T, F>(self: &Arc<Self>, what: &'static str, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&Transaction<'_>) -> Result<T> + Send + 'static,
     {
-        let _turn = self
-            .writer
-            .acquire()
-            .await
-            .map_err(|_| Error::permanent(ErrorKind::Closed, BACKEND, "connection pool is closed"))?;
+        // Waiting for the turn counts as waiting for the lock: at most the busy timeout, then the
+        // same transient `Busy` as SQLite's own wait gives, instead of queuing behind every write
+        // that is itself waiting out a lock held elsewhere.
+        let timeout = self.config.busy_timeout;
+        let _turn = match tokio::time::timeout(timeout, self.writer.acquire()).await {
+            Ok(turn) => turn.map_err(|_| Error::permanent(ErrorKind::Closed, BACKEND, "connection pool is closed"))?,
+            Err(_) => {
+                return Err(Error::transient(
+                    ErrorKind::Busy,
+                    BACKEND,
+                    format!(
+                        "{what}: other writes of this store held the write lock for the whole busy timeout ({timeout:?})"
+                    ),
+                ));
+            }
+        };
         self.run(move |conn| write_tx(conn, what, f)).await
     }
 }

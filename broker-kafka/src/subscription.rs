@@ -388,9 +388,39 @@ impl Drop for KafkaSubscription {
         // topic deleted meanwhile in a way that crashes librdkafka; see the crate docs).
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) if runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(move || drop(inner));
+                tokio::task::block_in_place(move || close_bounded(inner));
             }
-            _ => drop(inner),
+            _ => close_bounded(inner),
+        }
+    }
+}
+
+/// How long [`close_bounded`] waits for the consumer to leave its group.
+const CLOSE_LIMIT: Duration = Duration::from_secs(30);
+
+/// Drop the consumer (leave the group) on a thread of its own and wait for it at most
+/// [`CLOSE_LIMIT`]. librdkafka 2.12 can block forever in a close: rust-rdkafka's `drop` serves
+/// the last rebalance, whose `incremental_unassign` waits without a timeout for the main thread
+/// (seen once in CI against tansu, in `postgres+kafka::f2_stale_completion_rejected`). Past the
+/// limit the close is left running on its thread, with a warning, and the caller goes on.
+fn close_bounded(inner: Arc<Inner>) {
+    let (done, closed) = std::sync::mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new().name("kafka-close".into()).spawn(move || {
+        drop(inner);
+        let _ = done.send(());
+    });
+    match spawned {
+        Ok(_) => {
+            if closed.recv_timeout(CLOSE_LIMIT).is_err() {
+                warn!(
+                    backend = BACKEND,
+                    "the Kafka consumer did not leave its group within {CLOSE_LIMIT:?}; its close goes on in the background"
+                );
+            }
+        }
+        // No thread to spare: close here, unbounded, as before.
+        Err(e) => {
+            warn!(backend = BACKEND, "no thread for the Kafka consumer's close ({e}); closing inline");
         }
     }
 }

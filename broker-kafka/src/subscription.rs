@@ -418,10 +418,9 @@ fn close_bounded(inner: Arc<Inner>) {
                 );
             }
         }
-        // No thread to spare: close here, unbounded, as before.
-        Err(e) => {
-            warn!(backend = BACKEND, "no thread for the Kafka consumer's close ({e}); closing inline");
-        }
+        // No thread to spare: `spawn` dropped the closure, so the consumer was closed here,
+        // unbounded, as before.
+        Err(e) => warn!(backend = BACKEND, "no thread for the Kafka consumer's close ({e}); it was closed inline"),
     }
 }
 

@@ -6,7 +6,7 @@
 //!
 //! SQLite has one writer at a time, and a writer that finds the lock taken sleeps in the busy
 //! handler (1, 2, 5, 10 ms and longer) well past the moment the lock is free again: a relay
-//! claiming its next batch while it completes the last one lost a third of its throughput to
+//! claiming its next batch while it completes the last one lost about 40% of its throughput to
 //! those sleeps. So the store's own short write transactions ([`Pool::write`]) take turns in
 //! the process first, and the lock passes from one to the next at once. Writers in other
 //! processes, and transactions the application holds open, still meet the busy handler.
@@ -26,8 +26,8 @@ pub(crate) struct Pool {
     config: SqliteConfig,
     idle: Mutex<Vec<Connection>>,
     permits: Arc<Semaphore>,
-    /// One turn: the short write transaction of this pool that may hold SQLite's write lock.
-    writer: Semaphore,
+    /// One turn: held by the short write transaction of this pool that may take SQLite's lock.
+    writer: tokio::sync::Mutex<()>,
 }
 
 impl fmt::Debug for Pool {
@@ -43,7 +43,7 @@ impl fmt::Debug for Pool {
 impl Pool {
     pub(crate) fn new(config: SqliteConfig, first: Connection) -> Arc<Self> {
         let permits = Arc::new(Semaphore::new(config.pool_size));
-        Arc::new(Self { config, idle: Mutex::new(vec![first]), permits, writer: Semaphore::new(1) })
+        Arc::new(Self { config, idle: Mutex::new(vec![first]), permits, writer: tokio::sync::Mutex::const_new(()) })
     }
 
     pub(crate) fn config(&self) -> &SqliteConfig {
@@ -82,18 +82,15 @@ impl Pool {
         // same transient `Busy` as SQLite's own wait gives, instead of queuing behind every write
         // that is itself waiting out a lock held elsewhere.
         let timeout = self.config.busy_timeout;
-        let _turn = match tokio::time::timeout(timeout, self.writer.acquire()).await {
-            Ok(turn) => turn.map_err(|_| Error::permanent(ErrorKind::Closed, BACKEND, "connection pool is closed"))?,
-            Err(_) => {
-                return Err(Error::transient(
-                    ErrorKind::Busy,
-                    BACKEND,
-                    format!(
-                        "{what}: other writes of this store held the write lock for the whole busy timeout ({timeout:?})"
-                    ),
-                ));
-            }
-        };
+        let _turn = tokio::time::timeout(timeout, self.writer.lock()).await.map_err(|_| {
+            Error::transient(
+                ErrorKind::Busy,
+                BACKEND,
+                format!(
+                    "{what}: other writes of this store held the write lock for the whole busy timeout ({timeout:?})"
+                ),
+            )
+        })?;
         self.run(move |conn| write_tx(conn, what, f)).await
     }
 }

@@ -245,7 +245,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
             if settings.repeat > 1 {
                 println!("{}: run {} of {}", subject.name(), i + 1, settings.repeat);
             }
-            // Names unique per run, as a run that failed may leave its schema or queue behind.
+            // Names unique per run, so that nothing one run leaves behind meets the next.
             let run = Settings { run_id: format!("{}_{i}", settings.run_id), ..settings.clone() };
             match subjects::run(subject, &run).await {
                 Ok(rows) => runs.push(rows),

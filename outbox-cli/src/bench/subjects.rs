@@ -363,6 +363,15 @@ async fn p4(s: &Settings) -> Result<Vec<Row>> {
     result
 }
 
+/// Durable check of a P5 drain: all `n` rows published, none pending, leased or parked.
+async fn all_published(store: &outbox::sqlite::SqliteStore, n: usize, what: &str) -> Result<()> {
+    let stats = store.stats().await?;
+    if stats.published != n as u64 || stats.pending + stats.leased + stats.parked != 0 {
+        return Err(fail(format!("{what} left {stats:?}")));
+    }
+    Ok(())
+}
+
 /// P5: SQLite relay with the instant broker vs raw rusqlite.
 async fn p5(s: &Settings) -> Result<Vec<Row>> {
     use outbox::sqlite::{SqliteConfig, SqliteStore};
@@ -398,10 +407,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
         }
         fixture::settle().await;
         let raw_rate = raw::sqlite(&store, s.events, s.batch, claim).await?;
-        let stats = store.stats().await?;
-        if stats.published != s.events as u64 || stats.pending + stats.leased + stats.parked != 0 {
-            return Err(fail(format!("raw rusqlite ({claim:?}) left {stats:?}")));
-        }
+        all_published(&store, s.events, &format!("raw rusqlite ({claim:?})")).await?;
         raw_rates.push(raw_rate);
     }
     let (raw_rate, before_rate) = (raw_rates[0], raw_rates[1]);
@@ -412,10 +418,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
     }
     fixture::settle().await;
     let measured = relay_drain(Arc::new(store.clone()), Arc::new(InstantBroker), s, s.events).await?;
-    let stats = store.stats().await?;
-    if stats.published != s.events as u64 || stats.pending + stats.leased + stats.parked != 0 {
-        return Err(fail(format!("the relay left {stats:?}")));
-    }
+    all_published(&store, s.events, "the relay").await?;
     say("P5", format!("relay {} ev/s", rate(measured)));
     drop(store);
     Ok(vec![Row::new(

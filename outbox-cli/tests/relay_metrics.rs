@@ -134,6 +134,11 @@ async fn published_counter_and_publish_histogram_count_every_row_on_sqlite_and_r
     assert_eq!(inf, calls, "{page}");
     assert!(page.contains("# TYPE outbox_relay_batch_seconds histogram\n"), "{page}");
     assert!(sum(&page, "outbox_relay_publish_seconds_sum").is_some_and(|s| s > 0.0), "{page}");
+    // Every publish call follows a claim, and every batch it published completes once.
+    let claims = sum(&page, "outbox_relay_claim_seconds_count").unwrap_or(0.0);
+    assert!(claims >= calls, "a claim per batch at least: {claims} claims, {calls} publishes\n{page}");
+    let completions = sum(&page, "outbox_relay_complete_seconds_count").unwrap_or(0.0);
+    assert!((1.0..=calls).contains(&completions), "{completions} completions, {calls} publishes\n{page}");
     assert!(status_counts(&store).await.keys().all(|s| *s == RowStatus::Published));
 }
 

@@ -326,7 +326,9 @@ struct Meters {
     parked: metrics::Counter,
     released: metrics::Counter,
     refused: metrics::Counter,
+    claim_seconds: metrics::Histogram,
     publish_seconds: metrics::Histogram,
+    complete_seconds: metrics::Histogram,
     batch_seconds: metrics::Histogram,
     batch_limit: metrics::Gauge,
 }
@@ -343,7 +345,9 @@ impl Meters {
             parked: counter(PARKED),
             released: counter(RELEASED),
             refused: counter(REFUSED),
+            claim_seconds: histogram(CLAIM_SECONDS),
             publish_seconds: histogram(PUBLISH_SECONDS),
+            complete_seconds: histogram(COMPLETE_SECONDS),
             batch_seconds: histogram(BATCH_SECONDS),
             batch_limit: metrics::gauge!(BATCH_LIMIT, OWNER => owner.to_owned()),
         }
@@ -652,12 +656,13 @@ impl Relay {
                 let started = Instant::now();
                 let span = info_span!("outbox.relay.batch", owner = %self.config.owner);
                 let limit = self.batch_limit();
-                let rows =
-                    match self.store.claim(&self.config.owner, limit, self.config.lease).instrument(span.clone()).await
-                    {
-                        Ok(rows) => rows,
-                        Err(e) => return Stop::Failed(e),
-                    };
+                let claimed =
+                    self.store.claim(&self.config.owner, limit, self.config.lease).instrument(span.clone()).await;
+                self.meters.claim_seconds.record(started.elapsed());
+                let rows = match claimed {
+                    Ok(rows) => rows,
+                    Err(e) => return Stop::Failed(e),
+                };
                 if rows.is_empty() {
                     if alone {
                         return Stop::Idle;
@@ -825,7 +830,10 @@ impl Relay {
         let mut report = BatchReport { claimed, ..BatchReport::default() };
         async {
             if !sent.is_empty() {
-                match self.store.complete_many(&sent).await {
+                let t = Instant::now();
+                let completed = self.store.complete_many(&sent).await;
+                self.meters.complete_seconds.record(t.elapsed());
+                match completed {
                     Ok(outcomes) => {
                         for ((row, lease), outcome) in sent.iter().zip(outcomes) {
                             match outcome {
@@ -1003,7 +1011,9 @@ const RETRIED: &str = "outbox_relay_retried_total";
 const PARKED: &str = "outbox_relay_parked_total";
 const RELEASED: &str = "outbox_relay_released_total";
 const REFUSED: &str = "outbox_relay_refused_total";
+const CLAIM_SECONDS: &str = "outbox_relay_claim_seconds";
 const PUBLISH_SECONDS: &str = "outbox_relay_publish_seconds";
+const COMPLETE_SECONDS: &str = "outbox_relay_complete_seconds";
 const BATCH_SECONDS: &str = "outbox_relay_batch_seconds";
 const BATCH_LIMIT: &str = "outbox_relay_batch_limit";
 /// The label every relay metric carries: [`RelayConfig::owner`].

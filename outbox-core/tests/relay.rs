@@ -926,7 +926,8 @@ impl Recorded {
 }
 
 /// The `outbox_relay_*` counters add up to `Relay::totals`; one publish latency per
-/// `publish_batch` call, one batch latency per batch.
+/// `publish_batch` call, one claim latency per claim (an empty one too), one completion latency
+/// per `complete_many` call, one batch latency per batch.
 #[test]
 fn metrics_add_up_to_the_totals() {
     let recorded = Recorded::default();
@@ -964,6 +965,10 @@ fn metrics_add_up_to_the_totals() {
             }
             assert_eq!(recorded.observations("outbox_relay_publish_seconds", "metered").len(), flaky.batches().len());
             assert_eq!(recorded.observations("outbox_relay_batch_seconds", "metered").len(), 1);
+            // Two claims: the batch of 4, then the empty one that ends the drain. One completion
+            // call: k1 and k2 (a1 was parked, a2 released behind it).
+            assert_eq!(recorded.observations("outbox_relay_claim_seconds", "metered").len(), 2);
+            assert_eq!(recorded.observations("outbox_relay_complete_seconds", "metered").len(), 1);
             // Durable state agrees: the parked row holds its key back.
             let rows = all_rows(&store).await.unwrap();
             let status: Vec<_> = rows.iter().map(|r| (r.event.id.to_string(), r.status)).collect();

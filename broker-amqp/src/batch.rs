@@ -90,9 +90,9 @@ impl Inner {
                 }
             }
         }
-        // Channels: per exchange, lanes spread over up to `publish_channels / exchanges`.
+        // Channels: per exchange, lanes spread over up to `batch_channels / exchanges`.
         let exchanges: HashSet<&str> = prepared.iter().flatten().map(|p| p.exchange.as_str()).collect();
-        let per_exchange = (self.config.publish_channels() / exchanges.len().max(1)).max(1);
+        let per_exchange = (self.config.batch_channels() / exchanges.len().max(1)).max(1);
         let mut buckets: Vec<Bucket> = Vec::new();
         let mut bucket_of_event: Vec<usize> = Vec::with_capacity(events.len());
         {

@@ -146,6 +146,7 @@ impl fmt::Display for RoutingKey {
 /// | `outbox_confirm_timeout_ms` | wait for a publisher confirm | 10000 |
 /// | `outbox_connect_timeout_ms` | wait for a connection | 10000 |
 /// | `outbox_publish_channels` | publishes in flight at once | 16 |
+/// | `outbox_batch_channels` | channels one batch publishes on at most | `outbox_publish_channels` |
 /// | `outbox_declare_topology` | declare exchanges and queues (`true`/`false`) | `true` |
 /// | `outbox_max_payload` | largest payload accepted, in bytes | 1048576 |
 /// | `outbox_connection_name` | name shown in the management UI | `outbox` |
@@ -170,6 +171,7 @@ pub struct AmqpConfig {
     confirm_timeout: Duration,
     connect_timeout: Duration,
     publish_channels: usize,
+    batch_channels: Option<usize>,
     declare_topology: bool,
     max_payload: usize,
     connection_name: String,
@@ -215,6 +217,7 @@ impl AmqpConfig {
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             publish_channels: DEFAULT_PUBLISH_CHANNELS,
+            batch_channels: None,
             declare_topology: true,
             max_payload: DEFAULT_MAX_PAYLOAD,
             connection_name: "outbox".to_string(),
@@ -242,6 +245,9 @@ impl AmqpConfig {
         }
         if let Some(channels) = url.outbox_usize("outbox_publish_channels")? {
             config = config.with_publish_channels(channels)?;
+        }
+        if let Some(channels) = url.outbox_usize("outbox_batch_channels")? {
+            config = config.with_batch_channels(channels)?;
         }
         if let Some(declare) = url.outbox_bool("outbox_declare_topology")? {
             config.declare_topology = declare;
@@ -373,6 +379,21 @@ impl AmqpConfig {
         Ok(self)
     }
 
+    /// Channels one [`publish_batch`](outbox_core::Broker::publish_batch) spreads its keys over,
+    /// at most (never more than [`publish_channels`](Self::publish_channels)). Fewer channels per
+    /// batch leave windows free for the next batches of a relay's pipeline; more spread one
+    /// batch's confirms. Default: all of `publish_channels`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Config`] unless between 1 and 1024.
+    pub fn with_batch_channels(mut self, channels: usize) -> Result<Self> {
+        if !(1..=1024).contains(&channels) {
+            return Err(Error::config(BACKEND, format!("batch_channels={channels}: expected 1 to 1024")));
+        }
+        self.batch_channels = Some(channels);
+        Ok(self)
+    }
+
     /// Whether [`declare`](outbox_core::Broker::declare) and
     /// [`subscribe`](outbox_core::Broker::subscribe) create exchanges, queues and bindings
     /// (`true`), or only check that they exist (`false`, for topology managed elsewhere).
@@ -456,6 +477,11 @@ impl AmqpConfig {
         self.publish_channels
     }
 
+    /// See [`with_batch_channels`](Self::with_batch_channels): the cap in effect.
+    pub fn batch_channels(&self) -> usize {
+        self.batch_channels.map_or(self.publish_channels, |c| c.min(self.publish_channels))
+    }
+
     /// See [`with_declare_topology`](Self::with_declare_topology).
     pub fn declare_topology(&self) -> bool {
         self.declare_topology
@@ -536,6 +562,7 @@ impl fmt::Debug for AmqpConfig {
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("publish_channels", &self.publish_channels)
+            .field("batch_channels", &self.batch_channels())
             .field("declare_topology", &self.declare_topology)
             .field("max_payload", &self.max_payload)
             .field("connection_name", &self.connection_name)
@@ -593,7 +620,7 @@ mod tests {
         let c = AmqpConfig::from_url(
             "amqps://alice:s%3Acret@10.1.2.3:5999/prod?outbox_queue_type=quorum&outbox_prefetch=7\
              &outbox_confirm_timeout_ms=250&outbox_exchange_prefix=t1.&outbox_queue_prefix=q.\
-             &outbox_routing_key=key&outbox_declare_topology=false&outbox_publish_channels=3&heartbeat=5\
+             &outbox_routing_key=key&outbox_declare_topology=false&outbox_publish_channels=3&heartbeat=5&outbox_batch_channels=2\
              &outbox_connect_timeout_ms=400&outbox_max_payload=99&outbox_connection_name=relay%20a&frame_max=8192",
         )
         .unwrap();
@@ -611,6 +638,10 @@ mod tests {
         assert_eq!(c.routing_key(), RoutingKey::EventKey);
         assert!(!c.declare_topology());
         assert_eq!(c.publish_channels(), 3);
+        assert_eq!(c.batch_channels(), 2);
+        assert_eq!(c.clone().with_batch_channels(8).unwrap().batch_channels(), 3, "never more than publish_channels");
+        assert!(c.clone().with_batch_channels(0).is_err());
+        assert_eq!(AmqpConfig::from_url("amqp://h").unwrap().batch_channels(), DEFAULT_PUBLISH_CHANNELS);
         assert_eq!(c.connect_timeout(), Duration::from_millis(400));
         assert_eq!(c.max_payload(), 99);
         assert_eq!(c.connection_name(), "relay a");

@@ -145,6 +145,29 @@ async fn a_mixed_batch_arrives_once_byte_for_byte_in_key_order() {
     assert!(fx.broker.publish_batch(&[]).await.is_empty(), "an empty batch is an empty result");
 }
 
+/// `batch_channels` caps the channels of one batch: two batches at once, each on one channel of
+/// its own, still deliver every event once in key order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_capped_to_one_channel_each_arrive_once_in_key_order() {
+    if !server() {
+        return;
+    }
+    let fx = Fixture::new("capped", |c| c.with_publish_channels(2).unwrap().with_batch_channels(1).unwrap());
+    assert_eq!(fx.broker.config().batch_channels(), 1);
+    fx.broker.declare(fx.dest(), std::slice::from_ref(&fx.group)).await.unwrap();
+    let (first, second) = (mixed(fx.dest(), "x"), mixed(fx.dest(), "y"));
+    let (r1, r2) = tokio::join!(fx.broker.publish_batch(&first), fx.broker.publish_batch(&second));
+    for (e, r) in first.iter().chain(&second).zip(r1.iter().chain(&r2)) {
+        assert!(r.is_ok(), "event {}: {r:?}", e.id);
+    }
+    let mut sub = fx.broker.subscribe(fx.dest(), &fx.group).await.unwrap();
+    let received = read(sub.as_mut(), first.len() + second.len()).await;
+    for (tag, sent) in [("x-", &first), ("y-", &second)] {
+        let mine: Vec<Event> = received.iter().filter(|e| e.id.as_str().starts_with(tag)).cloned().collect();
+        assert_once_in_order(sent, &mine);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_event_fails_alone_and_stops_only_its_key() {
     if !server() {

@@ -18,6 +18,20 @@ use crate::config::KafkaConfig;
 use crate::subscription::decode;
 use crate::{BACKEND, KafkaBroker, blocking, error};
 
+/// Where a group stands on one partition of a topic, read from the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupPosition {
+    /// The partition.
+    pub partition: i32,
+    /// Its earliest retained offset.
+    pub low: i64,
+    /// Its end offset: the offset the next record will get.
+    pub high: i64,
+    /// The group's committed offset (the next record it will read), `None` where it committed
+    /// nothing.
+    pub committed: Option<i64>,
+}
+
 /// One record of a topic, as stored by the broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
@@ -41,7 +55,19 @@ impl KafkaBroker {
     pub async fn read_topic(&self, destination: &Destination) -> Result<Vec<StoredMessage>> {
         let config = self.config().clone();
         let destination = destination.clone();
-        blocking(move || read_topic_blocking(&config, &destination)).await?
+        blocking(move || read_topic_blocking(&config, &destination, false)).await?.map(|(events, _)| events)
+    }
+
+    /// As [`read_topic`](Self::read_topic), but a record this adapter did not write (another
+    /// service's message on a shared topic) is skipped and counted instead of failing the read:
+    /// the events, and how many records were skipped.
+    ///
+    /// # Errors
+    /// As for [`read_topic`](Self::read_topic), without the corrupt case.
+    pub async fn read_events(&self, destination: &Destination) -> Result<(Vec<StoredMessage>, u64)> {
+        let config = self.config().clone();
+        let destination = destination.clone();
+        blocking(move || read_topic_blocking(&config, &destination, true)).await?
     }
 
     /// How many records of `destination` `group` has not committed past: the sum over partitions
@@ -55,6 +81,22 @@ impl KafkaBroker {
         let destination = destination.clone();
         let group = group.clone();
         blocking(move || unacknowledged_blocking(&config, &destination, &group)).await?
+    }
+
+    /// Where `group` stands on each partition of `destination`, in partition order: the
+    /// watermarks and the committed offset. Joins no group and moves nothing.
+    ///
+    /// # Errors
+    /// As for [`unacknowledged`](Self::unacknowledged).
+    pub async fn group_positions(
+        &self,
+        destination: &Destination,
+        group: &ConsumerGroup,
+    ) -> Result<Vec<GroupPosition>> {
+        let config = self.config().clone();
+        let destination = destination.clone();
+        let group = group.clone();
+        blocking(move || positions_blocking(&config, &destination, &group)).await?
     }
 }
 
@@ -94,7 +136,13 @@ fn watermarks(consumer: &BaseConsumer, config: &KafkaConfig, topic: &Destination
     Ok(out)
 }
 
-fn read_topic_blocking(config: &KafkaConfig, topic: &Destination) -> Result<Vec<StoredMessage>> {
+/// Every record of `topic`; with `skip_foreign`, records this adapter did not write are counted
+/// instead of failing the read.
+fn read_topic_blocking(
+    config: &KafkaConfig,
+    topic: &Destination,
+    skip_foreign: bool,
+) -> Result<(Vec<StoredMessage>, u64)> {
     let consumer = reader(config, None)?;
     let marks = watermarks(&consumer, config, topic)?;
     let mut list = TopicPartitionList::new();
@@ -106,9 +154,9 @@ fn read_topic_blocking(config: &KafkaConfig, topic: &Destination) -> Result<Vec<
             remaining += 1;
         }
     }
-    let mut out = Vec::new();
+    let (mut out, mut foreign) = (Vec::new(), 0u64);
     if remaining == 0 {
-        return Ok(out);
+        return Ok((out, foreign));
     }
     consumer.assign(&list).map_err(|e| error::convert(&format!("assigning {topic}"), e))?;
     let mut progress = Instant::now();
@@ -130,19 +178,34 @@ fn read_topic_blocking(config: &KafkaConfig, topic: &Destination) -> Result<Vec<
         if offset >= high {
             continue;
         }
-        let event = decode(&m).map_err(|reason| {
-            Error::permanent(ErrorKind::Corrupt, BACKEND, format!("{topic}[{partition}]@{offset}: {reason}"))
-        })?;
-        out.push(StoredMessage { partition, offset, event });
         if offset + 1 >= high {
             done.insert(partition);
         }
+        match decode(&m) {
+            Ok(event) => out.push(StoredMessage { partition, offset, event }),
+            Err(_) if skip_foreign => foreign += 1,
+            Err(reason) => {
+                return Err(Error::permanent(
+                    ErrorKind::Corrupt,
+                    BACKEND,
+                    format!("{topic}[{partition}]@{offset}: {reason}"),
+                ));
+            }
+        }
     }
     out.sort_by_key(|m| (m.partition, m.offset));
-    Ok(out)
+    Ok((out, foreign))
 }
 
 fn unacknowledged_blocking(config: &KafkaConfig, topic: &Destination, group: &ConsumerGroup) -> Result<u64> {
+    let total = positions_blocking(config, topic, group)?
+        .into_iter()
+        .map(|p| u64::try_from(p.high - p.committed.map_or(p.low, |c| c.max(p.low))).unwrap_or(0))
+        .sum();
+    Ok(total)
+}
+
+fn positions_blocking(config: &KafkaConfig, topic: &Destination, group: &ConsumerGroup) -> Result<Vec<GroupPosition>> {
     let consumer = reader(config, Some(group))?;
     let marks = watermarks(&consumer, config, topic)?;
     let mut list = TopicPartitionList::new();
@@ -152,13 +215,16 @@ fn unacknowledged_blocking(config: &KafkaConfig, topic: &Destination, group: &Co
     let committed = consumer
         .committed_offsets(list, config.operation_timeout)
         .map_err(|e| error::convert(&format!("reading committed offsets of group {group}"), e))?;
-    let mut total = 0u64;
-    for (partition, low, high) in marks {
-        let position = match committed.find_partition(topic.as_str(), partition).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => o.max(low),
-            _ => low,
-        };
-        total += u64::try_from(high - position).unwrap_or(0);
-    }
-    Ok(total)
+    Ok(marks
+        .into_iter()
+        .map(|(partition, low, high)| GroupPosition {
+            partition,
+            low,
+            high,
+            committed: match committed.find_partition(topic.as_str(), partition).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => Some(o),
+                _ => None,
+            },
+        })
+        .collect())
 }

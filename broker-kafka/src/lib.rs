@@ -27,7 +27,7 @@ use tracing::{debug, warn};
 
 pub use config::{ENV_BOOTSTRAP, ENV_URL, KafkaConfig};
 #[cfg(feature = "testkit")]
-pub use inspect::StoredMessage;
+pub use inspect::{GroupPosition, StoredMessage};
 pub use subscription::KafkaSubscription;
 
 /// Backend name in errors and logs.

@@ -140,6 +140,35 @@ async fn reserved_header_is_rejected() {
     cleanup(&broker, &topic).await;
 }
 
+/// `read_topic` refuses a record another client wrote; `read_events` skips and counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_events_skips_a_foreign_record_that_read_topic_refuses() {
+    if !broker_up() {
+        return;
+    }
+    let (broker, topic, _) = setup(1).await;
+    broker.publish(&event(&topic, "before", b"1")).await.expect("publish");
+    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", broker.config().bootstrap_servers.join(","))
+        .set("message.timeout.ms", "10000")
+        .create()
+        .expect("raw producer");
+    producer
+        .send(rdkafka::producer::FutureRecord::<str, [u8]>::to(topic.as_str()).payload(b"{}"), Duration::from_secs(10))
+        .await
+        .expect("raw produce");
+    broker.publish(&event(&topic, "after", b"2")).await.expect("publish");
+    let err = broker.read_topic(&topic).await.expect_err("a foreign record");
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    let (events, foreign) = broker.read_events(&topic).await.expect("read events");
+    assert_eq!(
+        events.iter().map(|m| (m.event.id.as_str(), m.offset)).collect::<Vec<_>>(),
+        [("before", 0), ("after", 2)]
+    );
+    assert_eq!(foreign, 1);
+    cleanup(&broker, &topic).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_key_stays_in_one_partition() {
     if !broker_up() {
@@ -224,6 +253,10 @@ async fn out_of_order_ack_never_commits_past_an_unprocessed_message() {
     m1.ack().await.expect("ack m1");
     // m0 is still unprocessed: nothing may be committed.
     assert_eq!(broker.unacknowledged(&topic, &group).await.expect("unacknowledged"), 3);
+    let positions = broker.group_positions(&topic, &group).await.expect("positions");
+    assert_eq!(positions.len(), 1, "{positions:?}");
+    assert_eq!((positions[0].partition, positions[0].low, positions[0].high), (0, 0, 3), "{positions:?}");
+    assert!(positions[0].committed.is_none_or(|c| c == 0), "nothing committed past m0: {positions:?}");
     drop(got); // m0 never acknowledged
     drop(first);
 
@@ -234,6 +267,8 @@ async fn out_of_order_ack_never_commits_past_an_unprocessed_message() {
         d.ack().await.expect("ack");
     }
     wait_unacknowledged(&broker, &topic, &group, 0).await;
+    let positions = broker.group_positions(&topic, &group).await.expect("positions");
+    assert_eq!(positions[0].committed, Some(3), "committed after m2: {positions:?}");
     drop(second);
     cleanup(&broker, &topic).await;
 }

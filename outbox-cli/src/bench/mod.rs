@@ -18,6 +18,7 @@ use outbox_conformance_tests::service;
 mod fixture;
 mod raw;
 mod report;
+mod stages;
 mod subjects;
 
 use report::Row;

@@ -15,6 +15,7 @@ use outbox::{Broker, ConsumerGroup, Destination, Event, OutboxAdmin, OutboxStore
 use super::fixture::{self, AckCounter, DRAIN_LIMIT, InstantBroker, LEASE, PgFixture, fail, per_second};
 use super::raw;
 use super::report::{Row, rate};
+use super::stages::{Cpu, Stages};
 use super::{Settings, Subject};
 
 /// Relay counts of P7.
@@ -50,14 +51,24 @@ fn relay_settings(s: &Settings) -> String {
 }
 
 /// One relay draining the backlog: events per second, after checking it published all `n`.
-async fn relay_drain(store: Arc<dyn OutboxStore>, broker: Arc<dyn Broker>, s: &Settings, n: usize) -> Result<f64> {
-    let relay = Relay::new(store, broker, relay_config(s, "relay-bench1".into()));
-    let t = Instant::now();
+/// Prints, as `p`, where its batches spent their time ([`Stages`]).
+async fn relay_drain(
+    p: &str,
+    store: Arc<dyn OutboxStore>,
+    broker: Arc<dyn Broker>,
+    s: &Settings,
+    n: usize,
+) -> Result<f64> {
+    let stages = Stages::default();
+    let relay =
+        metrics::with_local_recorder(&stages, || Relay::new(store, broker, relay_config(s, "relay-bench1".into())));
+    let (t, cpu) = (Instant::now(), Cpu::now());
     let report = tokio::time::timeout(DRAIN_LIMIT, relay.drain())
         .await
         .map_err(|_| fail(format!("the relay did not drain {n} rows within {DRAIN_LIMIT:?}")))??;
     let elapsed = t.elapsed();
     check_report(&report, n)?;
+    say(p, format!("relay stages per call: {}; {}", stages.summary(), cpu.since(elapsed.as_secs_f64())));
     Ok(per_second(n, elapsed))
 }
 
@@ -123,7 +134,7 @@ async fn p1(s: &Settings) -> Result<Vec<Row>> {
         say("P1", format!("raw XADD {} ev/s", rate(xadd)));
         fx.fill(&events).await?;
         let measured = async {
-            let r = relay_drain(Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
+            let r = relay_drain("P1", Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
             let on_stream = broker.stream_len(&dest).await?;
             if on_stream != s.events as u64 {
                 return Err(fail(format!("{on_stream} entries on the stream, expected {}", s.events)));
@@ -210,7 +221,7 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
             format!("both raw loops at once: raw SQL {} ev/s, raw publish {} ev/s", rate(sql_along), rate(publish_along)),
         );
         fx.fill(&events).await?;
-        let measured = relay_drain(Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
+        let measured = relay_drain("P2", Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
         let depth = broker.queue_depth(&dest, &group).await?;
         if depth as usize != s.events {
             return Err(fail(format!("{depth} messages in the queue, expected {}", s.events)));
@@ -285,7 +296,7 @@ async fn p3(s: &Settings) -> Result<Vec<Row>> {
         let produce = raw::kafka_produce(&config, raw_dest.as_str(), &events).await?;
         say("P3", format!("raw produce {} ev/s", rate(produce)));
         fx.fill(&events).await?;
-        let measured = relay_drain(Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
+        let measured = relay_drain("P3", Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
         let stored = raw::kafka_count(&config, dest.as_str(), s.events).await?;
         if stored != s.events as i64 {
             return Err(fail(format!("{stored} messages on the topic, expected {}", s.events)));
@@ -343,7 +354,7 @@ async fn p4(s: &Settings) -> Result<Vec<Row>> {
         let sql = raw::pg_sql(&fx, s.events, s.batch).await?;
         say("P4", format!("raw SQL {} ev/s", rate(sql)));
         fx.fill(&events).await?;
-        let measured = relay_drain(Arc::new(fx.store.clone()), Arc::new(InstantBroker), s, s.events).await?;
+        let measured = relay_drain("P4", Arc::new(fx.store.clone()), Arc::new(InstantBroker), s, s.events).await?;
         fx.check_published(s.events, "relay").await?;
         say("P4", format!("relay {} ev/s", rate(measured)));
         Ok(vec![Row::new(
@@ -417,7 +428,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
         store.enqueue(chunk).await?;
     }
     fixture::settle().await;
-    let measured = relay_drain(Arc::new(store.clone()), Arc::new(InstantBroker), s, s.events).await?;
+    let measured = relay_drain("P5", Arc::new(store.clone()), Arc::new(InstantBroker), s, s.events).await?;
     all_published(&store, s.events, "the relay").await?;
     say("P5", format!("relay {} ev/s", rate(measured)));
     drop(store);

@@ -135,6 +135,34 @@ impl Env {
         Ok((self.broker.name().to_string(), down))
     }
 
+    /// On Kafka, each partition of the run's destination with its log end and the run's chaos
+    /// group's committed offset; `None` on other brokers, before the destination is declared,
+    /// or when the broker does not answer within `patience`.
+    pub(crate) async fn kafka_positions(&self, patience: Duration) -> Option<Vec<outbox::kafka::GroupPosition>> {
+        if self.kind != BrokerKind::Kafka {
+            return None;
+        }
+        let (destination, group) = {
+            let declared = self.declared.lock().unwrap_or_else(|p| p.into_inner());
+            let (destination, groups) = declared.as_ref()?;
+            (destination.clone(), groups.first()?.clone())
+        };
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let read = async {
+                let broker = outbox::kafka::KafkaBroker::connect_url(&self.broker_url).await?;
+                broker.group_positions(&destination, &group).await
+            };
+            if let Ok(Ok(positions)) = tokio::time::timeout_at(deadline, read).await {
+                return Some(positions);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
     /// The broker's own failure since its last start, if its log shows one (see
     /// [`Server::failed_internally`](super::servers::Server::failed_internally)).
     pub(crate) fn broker_failed_internally(&self) -> Option<String> {

@@ -24,6 +24,7 @@ mod run;
 mod schedule;
 mod servers;
 mod site;
+mod stuck;
 mod worker;
 
 pub(crate) use worker::{WorkerCommand, run as run_worker};
@@ -49,6 +50,10 @@ pub(crate) struct ChaosArgs {
     /// Length of each combination's fault window (`40s`, `30m`), instead of the profile's.
     #[arg(long, value_parser = duration::parse)]
     duration: Option<Duration>,
+    /// Longest wait, once the faults stop, for every row to be published and every effect
+    /// applied (default 240s in `ci`, 300s in `long`); a run that does not drain fails.
+    #[arg(long, value_parser = duration::parse)]
+    drain: Option<Duration>,
     /// Length of one statistics window of the `long` profile (default 5m).
     #[arg(long, value_parser = duration::parse)]
     stats_window: Option<Duration>,
@@ -185,6 +190,7 @@ fn settings(args: &ChaosArgs) -> Settings {
             (window, events, Duration::from_secs(300), Some(args.stats_window.unwrap_or(Duration::from_secs(300))))
         }
     };
+    let drain = args.drain.unwrap_or(drain);
     Settings {
         events,
         window,

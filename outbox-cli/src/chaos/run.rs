@@ -276,6 +276,20 @@ async fn play_in(
     fleet.start_all_now();
     let drain_deadline = Instant::now() + settings.drain;
     let drained = drain(&site, &bad, env, drain_deadline, &mut report.broker_heals, combo.name).await;
+    let mut committed_past = None;
+    if !drained {
+        // Ask the broker where the missing effects are while the fleet still runs.
+        match tokio::time::timeout(READ_TIMEOUT * 3, unapplied_explained(&site, combo, env, &destination, &group)).await
+        {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => {
+                committed_past =
+                    Some(format!("the consumer group committed past {n} deliveries it never applied: lost"));
+            }
+            Ok(Err(e)) => println!("{}: cannot tell where the missing effects are: {e}", combo.name),
+            Err(_) => println!("{}: cannot tell where the missing effects are: the broker did not answer", combo.name),
+        }
+    }
     stop.store(true, Ordering::SeqCst);
     if let Some(s) = sampler {
         report.windows = s.await.map_err(join_error)?;
@@ -331,9 +345,33 @@ async fn play_in(
     report.figures = figures;
     report.families = families;
     report.problems = problems;
+    report.problems.extend(committed_past);
     report.bad = bad;
     site.close().await;
     Ok(())
+}
+
+/// The published events that are neither parked, dead-lettered nor applied, explained by the
+/// broker ([`super::stuck::explain`]); how many lie behind the group's committed position.
+async fn unapplied_explained(
+    site: &Site,
+    combo: Combo,
+    env: &Env,
+    destination: &Destination,
+    group: &ConsumerGroup,
+) -> Result<u64> {
+    let rows = site.rows().await?;
+    let effects = site.effects().await?;
+    let dead: std::collections::BTreeSet<String> =
+        site.inbox_admin().dead_letters(CONSUMER).await?.iter().map(|d| d.event.id.to_string()).collect();
+    let unapplied = rows
+        .iter()
+        .filter(|(id, r)| {
+            r.published_ms.is_some() && r.parked.is_none() && !dead.contains(*id) && !effects.contains_key(*id)
+        })
+        .map(|(id, _)| id.clone())
+        .collect();
+    super::stuck::explain(combo.name, combo.broker, &env.broker_url, destination, group, &unapplied).await
 }
 
 async fn read<T>(f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
@@ -560,8 +598,16 @@ async fn execute_faults(
                     let pg = f.family == Family::PgRestart;
                     let _one_at_a_time = if pg { env.pg_lock.lock().await } else { env.broker_lock.lock().await };
                     let (at_ms, offset) = (now_ms(), start.elapsed());
+                    // A broker must keep every record it acknowledged across a restart; on Kafka
+                    // a log end that went back is seen here, where it happened.
+                    let before = if pg { None } else { env.kafka_positions(LOG_END_PATIENCE).await };
                     let (name, down) = if pg { env.restart_pg().await? } else { env.restart_broker().await? };
-                    record(&log, f.family, at_ms, offset, name, format!("down {down:.1?}"));
+                    let after = if pg { None } else { env.kafka_positions(LOG_END_PATIENCE).await };
+                    let lost = went_back(before.as_deref(), after.as_deref());
+                    if !lost.is_empty() {
+                        println!("{name} restart at {offset:.1?}: {lost}");
+                    }
+                    record(&log, f.family, at_ms, offset, name, format!("down {down:.1?}{lost}"));
                     Ok::<_, Error>(())
                 });
             }
@@ -589,6 +635,31 @@ async fn execute_faults(
     // Let the last stall or black hole end by itself before the drain starts.
     tokio::time::sleep(longest_hold.min(Duration::from_secs(5))).await;
     Ok(())
+}
+
+/// How long a broker restart waits for the broker's log ends, before and after.
+const LOG_END_PATIENCE: Duration = Duration::from_secs(10);
+
+/// `"; log end went back: [1] 1200 -> 1180 …"` for every partition whose log end is lower after a
+/// restart than before it, and every one whose end is now below the group's committed offset;
+/// empty when neither happened (or a side could not be read).
+fn went_back(
+    before: Option<&[outbox::kafka::GroupPosition]>,
+    after: Option<&[outbox::kafka::GroupPosition]>,
+) -> String {
+    let (Some(before), Some(after)) = (before, after) else { return String::new() };
+    let mut out = Vec::new();
+    for a in after {
+        if let Some(b) = before.iter().find(|b| b.partition == a.partition)
+            && a.high < b.high
+        {
+            out.push(format!("[{}] log end {} -> {} (records the broker lost)", a.partition, b.high, a.high));
+        }
+        if let Some(c) = a.committed.filter(|c| *c > a.high) {
+            out.push(format!("[{}] committed {c} past the log end {}", a.partition, a.high));
+        }
+    }
+    if out.is_empty() { String::new() } else { format!("; {}", out.join(", ")) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -790,5 +861,34 @@ async fn sample(site: Site, length: Duration, stop: Arc<AtomicBool>) -> Vec<Wind
         if stopping {
             return out;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox::kafka::GroupPosition;
+
+    use super::went_back;
+
+    fn at(partition: i32, high: i64, committed: Option<i64>) -> GroupPosition {
+        GroupPosition { partition, low: 0, high, committed }
+    }
+
+    #[test]
+    fn a_log_end_that_went_back_and_a_commit_past_the_end_are_named() {
+        let before = [at(0, 1200, Some(1150)), at(1, 900, Some(900))];
+        let after = [at(0, 1180, Some(1150)), at(1, 900, Some(950))];
+        assert_eq!(
+            went_back(Some(&before), Some(&after)),
+            "; [0] log end 1200 -> 1180 (records the broker lost), [1] committed 950 past the log end 900"
+        );
+    }
+
+    #[test]
+    fn growth_or_an_unread_side_says_nothing() {
+        let before = [at(0, 10, None)];
+        assert_eq!(went_back(Some(&before), Some(&[at(0, 12, Some(12))])), "");
+        assert_eq!(went_back(None, Some(&before)), "");
+        assert_eq!(went_back(Some(&before), None), "");
     }
 }

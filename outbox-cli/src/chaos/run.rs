@@ -597,10 +597,10 @@ async fn execute_faults(
                 restarts.spawn(async move {
                     let pg = f.family == Family::PgRestart;
                     let _one_at_a_time = if pg { env.pg_lock.lock().await } else { env.broker_lock.lock().await };
-                    let (at_ms, offset) = (now_ms(), start.elapsed());
                     // A broker must keep every record it acknowledged across a restart; on Kafka
                     // a log end that went back is seen here, where it happened.
                     let before = if pg { None } else { env.kafka_positions(LOG_END_PATIENCE).await };
+                    let (at_ms, offset) = (now_ms(), start.elapsed());
                     let (name, down) = if pg { env.restart_pg().await? } else { env.restart_broker().await? };
                     let after = if pg { None } else { env.kafka_positions(LOG_END_PATIENCE).await };
                     let lost = went_back(before.as_deref(), after.as_deref());
@@ -640,9 +640,10 @@ async fn execute_faults(
 /// How long a broker restart waits for the broker's log ends, before and after.
 const LOG_END_PATIENCE: Duration = Duration::from_secs(10);
 
-/// `"; log end went back: [1] 1200 -> 1180 …"` for every partition whose log end is lower after a
-/// restart than before it, and every one whose end is now below the group's committed offset;
-/// empty when neither happened (or a side could not be read).
+/// `"; [1] log end 1200 -> 1180 (records the broker lost), …"` for every partition whose log end
+/// is lower after a restart than before it, and `"[2] committed 950 past the log end 900"` for
+/// every one whose end is now below the group's committed offset; empty when neither happened
+/// (or a side could not be read).
 fn went_back(
     before: Option<&[outbox::kafka::GroupPosition]>,
     after: Option<&[outbox::kafka::GroupPosition]>,

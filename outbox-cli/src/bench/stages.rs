@@ -149,6 +149,39 @@ mod tests {
         );
     }
 
+    /// Through a real relay: the recorder installed around `Relay::new` (as `relay_drain` does)
+    /// sees one claim per claim call and one publish and completion per batch, so a renamed
+    /// histogram or a recorder installed elsewhere shows as `-` and fails this.
+    #[tokio::test]
+    async fn a_relay_built_under_the_recorder_reports_every_stage() {
+        use outbox::core::memory::{MemoryBroker, MemoryOutbox};
+        use outbox::{Broker, Destination, Event, EventId, OutboxAdmin, OutboxStore, Relay, RelayConfig};
+        let (store, broker) = (MemoryOutbox::default(), MemoryBroker::new());
+        let dest = Destination::new("stages").unwrap();
+        broker.declare(&dest, &[]).await.unwrap();
+        let events: Vec<Event> =
+            (0..5).map(|i| Event::new(EventId::new(format!("e{i}")).unwrap(), dest.clone(), vec![1])).collect();
+        store.enqueue(&events).await.unwrap();
+        let stages = Stages::default();
+        let relay = metrics::with_local_recorder(&stages, || {
+            Relay::new(
+                std::sync::Arc::new(store.clone()),
+                std::sync::Arc::new(broker.clone()),
+                RelayConfig::new("stages").with_batch_size(5).with_pipeline_depth(1),
+            )
+        });
+        let report = relay.drain().await.unwrap();
+        assert_eq!(report.published, 5);
+        assert_eq!(store.stats().await.unwrap().published, 5, "durable: every row published");
+        let summary = stages.summary();
+        // One batch of 5, then the empty claim that ends the drain.
+        for want in ["2 calls), publish ", "1 calls), complete "] {
+            assert!(summary.contains(want), "{want:?} in {summary}");
+        }
+        assert!(summary.ends_with("1 calls)"), "{summary}");
+        assert!(!summary.contains(" -"), "every stage observed: {summary}");
+    }
+
     #[test]
     fn cpu_time_of_this_process_and_the_machine_is_read() {
         let start = Cpu::now();

@@ -22,6 +22,9 @@ pub(crate) struct Env {
     /// killed consumer's deliveries come back within the run).
     pub(crate) consumer_broker_url: String,
     kind: BrokerKind,
+    /// On Kafka, the clients that read partitions and committed offsets for the runner (built
+    /// once, without contacting the broker; each read opens its own group-less consumer).
+    kafka: Option<outbox::kafka::KafkaBroker>,
     broker: Box<dyn Server>,
     pg: Option<Box<dyn Server>>,
     broker_proxy: FaultProxy,
@@ -112,11 +115,18 @@ impl Env {
                 format!("{base}?outbox_partitions=4&outbox_session_timeout_ms=6000&max.poll.interval.ms=20000"),
             ),
         };
+        let kafka = match combo.broker {
+            BrokerKind::Kafka => {
+                Some(outbox::kafka::KafkaBroker::new(outbox::kafka::KafkaConfig::from_url(&broker_url)?)?)
+            }
+            BrokerKind::Redis | BrokerKind::Amqp => None,
+        };
         Ok(Self {
             store_url,
             broker_url,
             consumer_broker_url,
             kind: combo.broker,
+            kafka,
             broker,
             pg,
             broker_proxy,
@@ -139,9 +149,7 @@ impl Env {
     /// group's committed offset; `None` on other brokers, before the destination is declared,
     /// or when the broker does not answer within `patience`.
     pub(crate) async fn kafka_positions(&self, patience: Duration) -> Option<Vec<outbox::kafka::GroupPosition>> {
-        if self.kind != BrokerKind::Kafka {
-            return None;
-        }
+        let kafka = self.kafka.as_ref()?;
         let (destination, group) = {
             let declared = self.declared.lock().unwrap_or_else(|p| p.into_inner());
             let (destination, groups) = declared.as_ref()?;
@@ -149,10 +157,7 @@ impl Env {
         };
         let deadline = tokio::time::Instant::now() + patience;
         loop {
-            let read = async {
-                let broker = outbox::kafka::KafkaBroker::connect_url(&self.broker_url).await?;
-                broker.group_positions(&destination, &group).await
-            };
+            let read = kafka.group_positions(&destination, &group);
             if let Ok(Ok(positions)) = tokio::time::timeout_at(deadline, read).await {
                 return Some(positions);
             }
@@ -161,6 +166,11 @@ impl Env {
             }
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
+    }
+
+    /// The runner's Kafka inspector (see the field), `None` on other brokers.
+    pub(crate) fn kafka(&self) -> Option<&outbox::kafka::KafkaBroker> {
+        self.kafka.as_ref()
     }
 
     /// The broker's own failure since its last start, if its log shows one (see

@@ -371,7 +371,7 @@ async fn unapplied_explained(
         })
         .map(|(id, _)| id.clone())
         .collect();
-    super::stuck::explain(combo.name, combo.broker, &env.broker_url, destination, group, &unapplied).await
+    super::stuck::explain(combo.name, env.kafka(), destination, group, &unapplied).await
 }
 
 async fn read<T>(f: impl std::future::Future<Output = Result<T>>) -> Result<T> {

@@ -8,10 +8,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use outbox::kafka::GroupPosition;
+use outbox::kafka::{GroupPosition, KafkaBroker};
 use outbox::{ConsumerGroup, Destination, Result};
-
-use super::BrokerKind;
 
 /// How many unapplied event ids are printed at most.
 const SHOWN: usize = 10;
@@ -21,30 +19,28 @@ const SHOWN: usize = 10;
 /// committed position: deliveries the group will never be offered again.
 pub(crate) async fn explain(
     combo: &str,
-    kind: BrokerKind,
-    broker_url: &str,
+    kafka: Option<&KafkaBroker>,
     destination: &Destination,
     group: &ConsumerGroup,
     unapplied: &BTreeSet<String>,
 ) -> Result<u64> {
     let shown: Vec<&str> = unapplied.iter().take(SHOWN).map(String::as_str).collect();
     println!("{combo}: {} published events without their effect, first: {}", unapplied.len(), shown.join(", "));
-    match kind {
-        BrokerKind::Kafka => kafka(combo, broker_url, destination, group, unapplied).await,
+    match kafka {
+        Some(broker) => on_kafka(combo, broker, destination, group, unapplied).await,
         // Redis and RabbitMQ redeliver what was not acknowledged by themselves (pending entries
         // claimed, unacked messages requeued); there is no committed position to pass.
-        BrokerKind::Redis | BrokerKind::Amqp => Ok(0),
+        None => Ok(0),
     }
 }
 
-async fn kafka(
+async fn on_kafka(
     combo: &str,
-    url: &str,
+    broker: &KafkaBroker,
     destination: &Destination,
     group: &ConsumerGroup,
     unapplied: &BTreeSet<String>,
 ) -> Result<u64> {
-    let broker = outbox::kafka::KafkaBroker::connect_url(url).await?;
     let positions = broker.group_positions(destination, group).await?;
     // Each unapplied event's last copy per partition: a copy the group passed is lost only if
     // no later copy (a relay's re-publish) is still ahead of it.

@@ -51,7 +51,8 @@ pub(crate) struct ChaosArgs {
     #[arg(long, value_parser = duration::parse)]
     duration: Option<Duration>,
     /// Longest wait, once the faults stop, for every row to be published and every effect
-    /// applied (default 240s in `ci`, 300s in `long`); a run that does not drain fails.
+    /// applied (default 240s in `ci`, 300s in `long`); a run that does not drain fails. The
+    /// audit group's read afterwards has the same bound.
     #[arg(long, value_parser = duration::parse)]
     drain: Option<Duration>,
     /// Length of one statistics window of the `long` profile (default 5m).

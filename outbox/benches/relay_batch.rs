@@ -112,7 +112,7 @@ impl Bench {
     /// sent once per row as well, the request shape that stalled.
     async fn raw_sql(&self, rows: usize, batch: usize, conn: &mut PgConnection, owner_per_row: bool) -> f64 {
         self.fill(rows).await;
-        let claim = self.store.tables().claim_sql().to_owned();
+        let claim = self.store.tables().claim_sql(batch);
         let complete = if owner_per_row {
             format!(
                 "UPDATE {events} AS t SET published_token = t.token, published_at = 0, lease_expires_at = NULL
@@ -134,7 +134,6 @@ impl Bench {
         loop {
             let claimed = sqlx::query(AssertSqlSafe(claim.clone()))
                 .bind(None::<i64>)
-                .bind(i64::try_from(batch).unwrap())
                 .bind(OWNER)
                 .bind(i64::try_from(LEASE.as_millis()).unwrap())
                 .fetch_all(&mut *conn)

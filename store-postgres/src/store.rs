@@ -540,9 +540,8 @@ impl OutboxStore for PgStore {
             return Ok(Vec::new());
         }
         let mut conn = self.acquire().await?;
-        let rows = sqlx::query(AssertSqlSafe(self.tables.sql.claim.clone()))
+        let rows = sqlx::query(AssertSqlSafe(self.tables.claim_statement(limit)))
             .bind(self.tables.now_param())
-            .bind(limit_param(limit))
             .bind(owner.to_owned())
             .bind(millis(lease))
             .fetch_all(&mut *conn)

@@ -56,7 +56,9 @@ pub const SCHEMA_VERSION: i32 = 5;
 #[derive(Debug, Clone)]
 pub(crate) struct Sql {
     pub(crate) enqueue: Arc<str>,
-    pub(crate) claim: Arc<str>,
+    /// The claim statement split at its limit, which is written into the text (see
+    /// [`PgTables::claim_statement`]).
+    pub(crate) claim: (Arc<str>, Arc<str>),
     pub(crate) complete: Arc<str>,
     pub(crate) complete_many: Arc<str>,
     pub(crate) fail: Arc<str>,
@@ -192,12 +194,27 @@ impl PgTables {
         Ok(qualified(&self.schema, name))
     }
 
-    /// The claim statement, exactly as the store runs it. Parameters: `$1` now in ms (`NULL`:
-    /// database clock), `$2` limit, `$3` owner, `$4` lease in ms. For `EXPLAIN` in tests and
-    /// benches: only with the `testkit` feature, not part of the stable API.
+    /// The claim statement of at most `limit` rows, exactly as the store runs it. Parameters: `$1`
+    /// now in ms (`NULL`: database clock), `$2` owner, `$3` lease in ms; the limit is in the
+    /// text. For `EXPLAIN` in tests and benches: only with the `testkit` feature, not part of
+    /// the stable API.
     #[cfg(any(test, feature = "testkit"))]
-    pub fn claim_sql(&self) -> &str {
-        &self.sql.claim
+    pub fn claim_sql(&self, limit: usize) -> String {
+        self.claim_statement(limit)
+    }
+
+    /// The claim of at most `limit` rows. The limit is written into the text, and the clock is
+    /// read in one-row sub-selects, so that no parameter changes the plan: PostgreSQL then
+    /// switches each connection's prepared claim to its generic plan after five calls, instead
+    /// of planning the statement again at every call (about 1 ms against 5 ms of execution,
+    /// measured in `docs/bench.md`). One prepared statement per limit value: the relay's batch
+    /// size, and the sizes its batch limit passes through while it shrinks after a fenced batch
+    /// and grows back.
+    pub(crate) fn claim_statement(&self, limit: usize) -> String {
+        let (head, tail) = &self.sql.claim;
+        // PostgreSQL's LIMIT is a bigint.
+        let limit = limit.min(i64::MAX as usize);
+        format!("{head}{limit}{tail}")
     }
 
     /// The retention statement ([`purge_published`](outbox_core::OutboxAdmin::purge_published)),
@@ -392,7 +409,11 @@ SELECT false AS duplicate, event_id, id FROM ins LEFT JOIN woke ON true
 UNION ALL
 SELECT true AS duplicate, event_id, NULL::bigint AS id FROM dup"
             )),
-            claim: s(claim_sql(&events, &tcols, parked_head)),
+            claim: {
+                let sql = claim_sql(&events, &tcols, parked_head);
+                let (head, tail) = sql.split_once(CLAIM_LIMIT).expect("the claim statement has a limit");
+                (s(head.to_owned()), s(tail.to_owned()))
+            },
             complete: s(format!(
                 "UPDATE {events} SET published_token = token, published_at = {NOW}, lease_expires_at = NULL
 WHERE {fence} RETURNING id"
@@ -515,8 +536,13 @@ fn held(a: &str) -> String {
     )
 }
 
-/// The claim statement: `$1` now in ms (`NULL`: database clock), `$2` limit, `$3` owner, `$4`
-/// lease in ms.
+/// Where [`claim_sql`] has its limit, replaced by [`PgTables::claim_statement`].
+const CLAIM_LIMIT: &str = "{limit}";
+
+/// The claim statement: `$1` now in ms (`NULL`: database clock), `$2` owner, `$3` lease in ms,
+/// and [`CLAIM_LIMIT`] where the limit goes. "Now" is read through `(SELECT …)`, an init plan
+/// that runs once per statement: to the planner an unknown value in the custom plan as in the
+/// generic one, so the two cost the same and PostgreSQL keeps the generic plan.
 ///
 /// Key order (see [`OutboxStore::claim`](outbox_core::OutboxStore::claim)) in three steps, so that
 /// the cost follows the batch and the rows in flight, not a key's backlog:
@@ -527,7 +553,7 @@ fn held(a: &str) -> String {
 ///    row is their head (no earlier unpublished row; one probe of `events_key_open` per held key):
 ///    every other row of such a key comes after it.
 /// 2. `c` walks the open rows in id order (the `events_claimable` index) and takes, with
-///    `FOR UPDATE SKIP LOCKED`, the first `$2` that are due, unleased, and not held back: a row
+///    `FOR UPDATE SKIP LOCKED`, the first `limit` that are due, unleased, and not held back: a row
 ///    whose key is not in `b` passes on a hash lookup, a row whose key is in `bh` is dropped on
 ///    one, and only a row whose key's first holding row is not its head pays an index probe
 ///    (is a holding row of its key before it?). This keeps the rows of a held key out of the
@@ -546,6 +572,7 @@ fn held(a: &str) -> String {
 /// `(key, id)` so that only that index can serve them (a plain `key = …` probe may be planned on
 /// the primary key, walking every published row).
 fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
+    let now = format!("(SELECT {NOW})");
     let (chain, parked_holds) = match parked_head {
         ParkedHead::Block => ("", "{a}.parked_at IS NOT NULL OR "),
         ParkedHead::Skip => ("AND {a}.parked_at IS NULL", ""),
@@ -553,7 +580,7 @@ fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
     let chain = |a: &str| chain.replace("{a}", a);
     let holds = |a: &str| {
         format!(
-            "{} AND ({}{a}.available_at > {NOW} OR {a}.lease_expires_at > {NOW}) {}",
+            "{} AND ({}{a}.available_at > {now} OR {a}.lease_expires_at > {now}) {}",
             held(&format!("{a}.")),
             parked_holds.replace("{a}", a),
             chain(a)
@@ -578,14 +605,14 @@ fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
 ), c AS (
     SELECT t.id, t.key FROM {events} t
     WHERE t.published_at IS NULL AND t.parked_at IS NULL
-      AND t.available_at <= {NOW}
-      AND (t.lease_expires_at IS NULL OR t.lease_expires_at <= {NOW})
+      AND t.available_at <= {now}
+      AND (t.lease_expires_at IS NULL OR t.lease_expires_at <= {now})
       AND (t.key IS NULL OR t.key NOT IN (SELECT key FROM b) OR (
           t.key NOT IN (SELECT key FROM bh) AND NOT EXISTS (
               SELECT 1 FROM {events} r WHERE r.key = t.key AND r.id < t.id AND {holds_r}
           )))
     ORDER BY t.id
-    LIMIT $2
+    LIMIT {CLAIM_LIMIT}
     FOR UPDATE SKIP LOCKED
 ), k AS (
     SELECT DISTINCT key FROM c WHERE key IS NOT NULL
@@ -600,7 +627,7 @@ fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
     SELECT c.id FROM c LEFT JOIN g ON g.key = c.key WHERE g.gap IS NULL OR c.id < g.gap
 ), u AS (
     UPDATE {events} AS t
-    SET token = t.token + 1, owner = $3, lease_expires_at = {NOW} + $4
+    SET token = t.token + 1, owner = $2, lease_expires_at = {now} + $3
     FROM ok
     WHERE t.id = ok.id
     RETURNING {tcols}
@@ -619,8 +646,11 @@ mod tests {
         let tables = PgTables::new(&config).unwrap();
         assert_eq!(tables.table("events").unwrap(), "\"s1\".\"ob_events\"");
         assert!(tables.table("events\" x").is_err());
-        assert!(tables.claim_sql().contains("FOR UPDATE SKIP LOCKED"));
-        assert!(tables.claim_sql().contains("\"s1\".\"ob_events\""));
+        let claim = tables.claim_sql(250);
+        assert!(claim.contains("FOR UPDATE SKIP LOCKED"));
+        assert!(claim.contains("\"s1\".\"ob_events\""));
+        assert!(claim.contains("LIMIT 250\n") && !claim.contains(CLAIM_LIMIT), "{claim}");
+        assert!(!claim.contains("$4"), "{claim}");
         assert_eq!(tables.app_table("credits").unwrap(), "\"s1\".\"credits\"");
         assert!(tables.app_table("Credits").is_err());
         let (v, sql) = tables.migration_sql().next().unwrap();

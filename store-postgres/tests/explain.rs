@@ -28,9 +28,8 @@ async fn claim_plan_uses_the_partial_index() {
 
     let explain = |analyze: bool| {
         let prefix = if analyze { "EXPLAIN (ANALYZE, BUFFERS, TIMING OFF)" } else { "EXPLAIN" };
-        sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("{prefix} {}", tables.claim_sql())))
+        sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("{prefix} {}", tables.claim_sql(100))))
             .bind(None::<i64>)
-            .bind(100_i64)
             .bind("relay-explain")
             .bind(30_000_i64)
     };
@@ -48,10 +47,10 @@ async fn claim_plan_uses_the_partial_index() {
 
     // The generic plan (what a prepared statement may switch to, with the clock unknown).
     let mut conn = db.store.pool().acquire().await.unwrap();
-    db_exec(&mut conn, format!("PREPARE claim_generic(bigint, bigint, text, bigint) AS {}", tables.claim_sql())).await;
+    db_exec(&mut conn, format!("PREPARE claim_generic(bigint, text, bigint) AS {}", tables.claim_sql(100))).await;
     db_exec(&mut conn, "SET plan_cache_mode = force_generic_plan".into()).await;
     let generic: Vec<String> =
-        sqlx::query_scalar(AssertSqlSafe("EXPLAIN EXECUTE claim_generic(1767225600000, 100, 'relay', 30000)"))
+        sqlx::query_scalar(AssertSqlSafe("EXPLAIN EXECUTE claim_generic(1767225600000, 'relay', 30000)"))
             .fetch_all(&mut *conn)
             .await
             .unwrap();
@@ -63,12 +62,11 @@ async fn claim_plan_uses_the_partial_index() {
 
 /// `EXPLAIN (ANALYZE, BUFFERS)` of the store's claim of `limit` rows (database clock), executed
 /// in a transaction that is rolled back: the plan with actual row counts, nothing claimed.
-async fn analyze_claim(db: &TestDb, limit: i64) -> String {
-    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) {}", db.store.tables().claim_sql());
+async fn analyze_claim(db: &TestDb, limit: usize) -> String {
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) {}", db.store.tables().claim_sql(limit));
     let mut tx = db.store.pool().begin().await.unwrap();
     let analyzed: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql))
         .bind(None::<i64>)
-        .bind(limit)
         .bind("relay-explain")
         .bind(30_000_i64)
         .fetch_all(&mut *tx)
@@ -107,17 +105,16 @@ async fn keyed_claim_plan_uses_indexes_only() {
          ANALYZE {events};"
     ))
     .await;
-    let claim = |limit: i64| {
-        sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("EXPLAIN {}", tables.claim_sql())))
+    let claim = |limit: usize| {
+        sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("EXPLAIN {}", tables.claim_sql(limit))))
             .bind(None::<i64>)
-            .bind(limit)
             .bind("relay-explain")
             .bind(30_000_i64)
     };
     let claimable = format!("{}events_claimable", tables.prefix());
     let key_open = format!("{}events_key_open", tables.prefix());
     let key_held = format!("{}events_key_held", tables.prefix());
-    for limit in [100_i64, 500] {
+    for limit in [100, 500] {
         let plan = claim(limit).fetch_all(db.store.pool()).await.unwrap().join("\n");
         println!("-- EXPLAIN of the keyed claim, limit {limit}\n{plan}");
         assert!(!plan.contains("Seq Scan"), "a sequential scan in the claim plan:\n{plan}");
@@ -133,10 +130,10 @@ async fn keyed_claim_plan_uses_indexes_only() {
 
     // The generic plan, as a prepared statement may use it.
     let mut conn = db.store.pool().acquire().await.unwrap();
-    db_exec(&mut conn, format!("PREPARE claim_keys(bigint, bigint, text, bigint) AS {}", tables.claim_sql())).await;
+    db_exec(&mut conn, format!("PREPARE claim_keys(bigint, text, bigint) AS {}", tables.claim_sql(500))).await;
     db_exec(&mut conn, "SET plan_cache_mode = force_generic_plan".into()).await;
     let generic: Vec<String> =
-        sqlx::query_scalar(AssertSqlSafe("EXPLAIN EXECUTE claim_keys(1767225600000, 500, 'relay', 30000)"))
+        sqlx::query_scalar(AssertSqlSafe("EXPLAIN EXECUTE claim_keys(1767225600000, 'relay', 30000)"))
             .fetch_all(&mut *conn)
             .await
             .unwrap();
@@ -191,4 +188,53 @@ async fn claim_behind_every_head_in_flight_probes_no_index_per_row() {
         .unwrap_or_else(|| panic!("no per-row probe of {held} in the plan:\n{analyzed}"));
     assert!(probe.contains("never executed"), "the per-row probe ran: {probe}\n{analyzed}");
     assert!(!analyzed.contains("Seq Scan"), "{analyzed}");
+}
+
+/// The store's claim is planned once per connection and limit, not at every call: its text holds
+/// no parameter the plan depends on (the limit is written in, the clock is an init plan), so
+/// PostgreSQL keeps the generic plan after its five custom ones. Read from the connection's own
+/// `pg_prepared_statements` (a pool of one connection, so the claims and the read share it).
+#[tokio::test]
+async fn claim_switches_to_its_generic_plan() {
+    let Some(db) = TestDb::open("explain_generic", None, |c| c.with_pool_size(1)).await else { return };
+    let tables = db.store.tables();
+    let events = tables.table("events").unwrap();
+    db.exec(format!(
+        "INSERT INTO {events} (event_id, destination, key, headers, payload, available_at, created_at)
+         SELECT 'pend-' || g, 'orders', CASE WHEN g % 10 = 0 THEN NULL ELSE 'k' || (g % 500) END,
+                '\\x0100000000'::bytea, convert_to('payload ' || g, 'UTF8'), 0, 0
+         FROM generate_series(1, 5000) g;
+         ANALYZE {events};"
+    ))
+    .await;
+    let lease = std::time::Duration::from_secs(60);
+    let mut claimed = 0;
+    for limit in [40, 20] {
+        for _ in 0..12 {
+            let batch = outbox_core::OutboxStore::claim(&db.store, "relay-plan", limit, lease).await.unwrap();
+            assert!(!batch.is_empty() && batch.len() <= limit, "a claim of {limit} took {}", batch.len());
+            claimed += batch.len();
+        }
+    }
+    let leased = db.count(format!("SELECT count(*) FROM {events} WHERE owner = 'relay-plan' AND token = 1")).await;
+    assert_eq!(leased, i64::try_from(claimed).unwrap(), "rows leased once each, as the claims returned them");
+
+    let plans: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements
+         WHERE statement LIKE '%FOR UPDATE SKIP LOCKED%' AND statement NOT LIKE '%pg_prepared_statements%'
+         ORDER BY statement",
+    )
+    .fetch_all(db.store.pool())
+    .await
+    .unwrap();
+    let counts: Vec<(bool, bool, i64, i64)> = plans
+        .iter()
+        .map(|(sql, generic, custom)| (sql.contains("LIMIT 20\n"), sql.contains("LIMIT 40\n"), *generic, *custom))
+        .collect();
+    println!("-- prepared claims (limit 20?, limit 40?, generic plans, custom plans): {counts:?}");
+    assert_eq!(counts.len(), 2, "one prepared claim per limit: {counts:?}");
+    for (_, _, generic, custom) in &counts {
+        assert!(*custom <= 5 && *generic >= 7, "12 claims, {generic} generic plans and {custom} custom: {counts:?}");
+    }
+    assert!(counts.iter().any(|c| c.0) && counts.iter().any(|c| c.1), "{counts:?}");
 }

@@ -30,24 +30,33 @@ pub(crate) const REDIS_PIPELINES: usize = 4;
 /// batch (ids and tokens as arrays, the owner once; `published_token`, `published_at`,
 /// `lease_expires_at` set as the store sets them). The backlog must already be in place.
 pub(crate) async fn pg_sql(fx: &PgFixture, n: usize, batch: usize) -> Result<f64> {
-    pg_sql_with(fx, fx.store.tables().claim_sql(), n, batch).await
+    pg_sql_with(fx, &fx.store.tables().claim_sql(batch), n, None).await
 }
 
-/// The claim statement of schema version 3, before per-key order (issue 16): the first `$2` open,
-/// due, unleased rows in id order, `FOR UPDATE SKIP LOCKED`, returning what the store's claim
-/// returns. Kept here as the baseline of P8, which measures what key order costs.
-pub(crate) fn pg_claim_before_key_order(fx: &PgFixture) -> Result<String> {
-    let current = fx.store.tables().claim_sql();
-    // The `RETURNING` list and the clock expression of today's statement, so that the two differ
-    // only in which rows they pick.
+/// The claim statement of schema version 3, before per-key order (issue 16): the first `limit`
+/// open, due, unleased rows in id order, `FOR UPDATE SKIP LOCKED`, returning what the store's
+/// claim returns. Kept here as the baseline of P8, which measures what key order costs.
+///
+/// [`V3Form::Today`] writes it in the form of today's statement (the limit in the text, the clock
+/// in an init plan), so that both keep a generic plan and differ only in which rows they pick;
+/// [`V3Form::AsShipped`] as schema 3 shipped it (the limit a parameter, `$4`, and the clock a
+/// plain expression: planned again at every call).
+pub(crate) fn pg_claim_before_key_order(fx: &PgFixture, limit: usize, form: V3Form) -> Result<String> {
+    let current = fx.store.tables().claim_sql(limit);
+    // The `RETURNING` list and the clock expression of today's statement.
     let returning = current
         .find("RETURNING ")
         .and_then(|at| current[at..].find('\n').map(|end| &current[at..at + end]))
         .ok_or_else(|| fail("the store's claim statement has no RETURNING line"))?;
-    let now = "COALESCE($1::bigint, floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint)";
-    if !current.contains(now) {
-        return Err(fail("the store's claim statement no longer reads the clock as P8 expects"));
+    let clock = "COALESCE($1::bigint, floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint)";
+    let init_plan = format!("(SELECT {clock})");
+    if !current.contains(&init_plan) || !current.contains(&format!("LIMIT {limit}\n")) {
+        return Err(fail("the store's claim statement no longer reads the clock or its limit as P8 expects"));
     }
+    let (now, limit) = match form {
+        V3Form::Today => (init_plan, limit.to_string()),
+        V3Form::AsShipped => (clock.to_owned(), "$4".to_owned()),
+    };
     Ok(format!(
         "WITH c AS (
     SELECT id FROM {events}
@@ -55,11 +64,11 @@ pub(crate) fn pg_claim_before_key_order(fx: &PgFixture) -> Result<String> {
       AND available_at <= {now}
       AND (lease_expires_at IS NULL OR lease_expires_at <= {now})
     ORDER BY id
-    LIMIT $2
+    LIMIT {limit}
     FOR UPDATE SKIP LOCKED
 ), u AS (
     UPDATE {events} AS t
-    SET token = t.token + 1, owner = $3, lease_expires_at = {now} + $4
+    SET token = t.token + 1, owner = $2, lease_expires_at = {now} + $3
     FROM c
     WHERE t.id = c.id
     {returning}
@@ -69,8 +78,18 @@ SELECT * FROM u ORDER BY id",
     ))
 }
 
-/// [`pg_sql`] with another claim statement (same parameters: now, limit, owner, lease).
-pub(crate) async fn pg_sql_with(fx: &PgFixture, claim: &str, n: usize, batch: usize) -> Result<f64> {
+/// How [`pg_claim_before_key_order`] writes schema 3's claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum V3Form {
+    /// In the form of today's claim: the limit in the text, the clock in an init plan.
+    Today,
+    /// As schema 3 shipped it: the limit is the parameter `$4`.
+    AsShipped,
+}
+
+/// [`pg_sql`] with another claim statement (same parameters: now, owner, lease; the limit in
+/// the text, or as a fourth parameter where `limit_param` is given).
+pub(crate) async fn pg_sql_with(fx: &PgFixture, claim: &str, n: usize, limit_param: Option<usize>) -> Result<f64> {
     let mut conn = fx.connection().await?;
     let claim = claim.to_owned();
     let complete = format!(
@@ -83,18 +102,14 @@ pub(crate) async fn pg_sql_with(fx: &PgFixture, claim: &str, n: usize, batch: us
         events = fx.events_table
     );
     let lease_ms = i64::try_from(LEASE.as_millis()).unwrap_or(i64::MAX);
-    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
     let t = Instant::now();
     let mut done = 0usize;
     loop {
-        let claimed = sqlx::query(AssertSqlSafe(claim.clone()))
-            .bind(None::<i64>)
-            .bind(limit)
-            .bind(OWNER)
-            .bind(lease_ms)
-            .fetch_all(&mut conn)
-            .await
-            .map_err(map_error)?;
+        let mut query = sqlx::query(AssertSqlSafe(claim.clone())).bind(None::<i64>).bind(OWNER).bind(lease_ms);
+        if let Some(limit) = limit_param {
+            query = query.bind(i64::try_from(limit).unwrap_or(i64::MAX));
+        }
+        let claimed = query.fetch_all(&mut conn).await.map_err(map_error)?;
         if claimed.is_empty() {
             break;
         }

@@ -71,6 +71,38 @@ const fn longest_suffix() -> usize {
 /// must fit in [`MAX_IDENTIFIER_LEN`] bytes.
 pub const MAX_PREFIX_LEN: usize = MAX_IDENTIFIER_LEN - longest_suffix();
 
+/// The connect parameters sqlx reads from a `postgres://` URL (sqlx-postgres `options/parse.rs`),
+/// besides `options[NAME]`.
+const SQLX_PARAMS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// How an unknown parameter's error lists the driver's.
+const SQLX_PARAMS_HINT: &str = "or a connect parameter of sqlx: sslmode, sslrootcert, sslcert, sslkey, \
+                                statement-cache-capacity, host, hostaddr, port, dbname, user, password, \
+                                application_name, options";
+
+fn is_sqlx_param(name: &str) -> bool {
+    SQLX_PARAMS.contains(&name) || (name.starts_with("options[") && name.ends_with(']'))
+}
+
 /// Settings of a [`PgStore`](crate::PgStore): where to connect, where the tables live, and the
 /// limits applied to every connection.
 ///
@@ -90,7 +122,8 @@ pub const MAX_PREFIX_LEN: usize = MAX_IDENTIFIER_LEN - longest_suffix();
 /// | `outbox_parked_head` | [`parked_head`](PgConfig::parked_head) | `block` |
 ///
 /// An `outbox_*` parameter not in this table is an error that lists the known ones, so a typo
-/// cannot silently fall back to a default. The user name, password and database are
+/// cannot silently fall back to a default; so is a parameter sqlx does not read (it would only
+/// log that it ignores `schema=ops` or a libpq `connect_timeout`). The user name, password and database are
 /// percent-decoded (a password `p@ss` is written `p%40ss`).
 ///
 /// `Debug` and `Display` never show the password (neither the one in the user info nor a
@@ -115,8 +148,8 @@ impl PgConfig {
     ///
     /// # Errors
     /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when the URL does not parse, is not
-    /// `postgres://` / `postgresql://`, carries an unknown or invalid `outbox_*` parameter or a
-    /// parameter sqlx rejects, or names an invalid schema or prefix. The message shows the URL
+    /// `postgres://` / `postgresql://`, carries an unknown or invalid `outbox_*` parameter, a
+    /// parameter sqlx does not read or rejects, or names an invalid schema or prefix. The message shows the URL
     /// with its password redacted.
     pub fn from_url(url: &str) -> Result<Self> {
         let mut url = ConnectionUrl::parse(&URL_SPEC, url)?;
@@ -133,8 +166,13 @@ impl PgConfig {
             url: url.driver_url(),
         };
         url.finish()?;
+        // sqlx ignores a parameter it does not know (a `schema=ops` meant as `outbox_schema`, a
+        // libpq `connect_timeout`) with a log line: refuse it here instead.
+        if let Some((name, _)) = url.params().iter().find(|(name, _)| !is_sqlx_param(name)) {
+            return Err(url.unknown_param_error(name, SQLX_PARAMS_HINT));
+        }
         config.validate()?;
-        // sqlx has the last word on its own parameters (`sslmode`, ...).
+        // sqlx has the last word on its own parameters' values (`sslmode`, ...).
         config.connect_options()?;
         Ok(config)
     }
@@ -451,6 +489,34 @@ mod tests {
         let err = PgConfig::from_url("mysql://u:hunter2@h/db").unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");
         assert_eq!(err.kind(), ErrorKind::Config);
+    }
+
+    /// sqlx would only log that it ignores these, and the tables would land in `public`.
+    #[test]
+    fn a_parameter_sqlx_does_not_read_is_an_error() {
+        for (query, name) in [
+            ("schema=ops", "schema"),
+            ("sslmode=disable&search_path=ops&outbox_pool_size=2", "search_path"),
+            ("connect_timeout=5", "connect_timeout"),
+            ("options=-c%20search_path%3Dops&currentSchema=ops", "currentSchema"),
+        ] {
+            let err = PgConfig::from_url(&format!("postgres://u:hunter2@h/db?{query}")).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{query}");
+            let text = err.to_string();
+            assert!(text.contains(&format!("unknown URL parameter {name:?}")), "{query}: {text}");
+            assert!(text.contains("outbox_schema") && text.contains("sslmode"), "{query}: {text}");
+            assert!(!text.contains("hunter2"), "{text}");
+        }
+        // Every parameter sqlx reads passes, `options[NAME]` too.
+        let c = PgConfig::from_url(&format!(
+            "{URL}?sslmode=prefer&ssl-mode=prefer&statement-cache-capacity=50&application_name=relay\
+             &options=-c%20work_mem%3D8MB&options[lock_timeout]=100&dbname=test&port=5432&host=127.0.0.1"
+        ))
+        .unwrap();
+        assert!(c.connect_options().is_ok());
+        for name in SQLX_PARAMS {
+            assert!(is_sqlx_param(name), "{name}");
+        }
     }
 
     #[test]

@@ -123,8 +123,8 @@ fn is_sqlx_param(name: &str) -> bool {
 ///
 /// An `outbox_*` parameter not in this table is an error that lists the known ones, so a typo
 /// cannot silently fall back to a default; so is a parameter sqlx does not read (it would only
-/// log that it ignores `schema=ops` or a libpq `connect_timeout`). The user name, password and database are
-/// percent-decoded (a password `p@ss` is written `p%40ss`).
+/// log that it ignores `schema=ops` or a libpq `connect_timeout`). The user name, password and
+/// database are percent-decoded (a password `p@ss` is written `p%40ss`).
 ///
 /// `Debug` and `Display` never show the password (neither the one in the user info nor a
 /// `password=` parameter).
@@ -149,8 +149,8 @@ impl PgConfig {
     /// # Errors
     /// [`ErrorKind::Config`](outbox_core::ErrorKind::Config) when the URL does not parse, is not
     /// `postgres://` / `postgresql://`, carries an unknown or invalid `outbox_*` parameter, a
-    /// parameter sqlx does not read or rejects, or names an invalid schema or prefix. The message shows the URL
-    /// with its password redacted.
+    /// parameter sqlx does not read or rejects, or names an invalid schema or prefix. The message
+    /// shows the URL with its password redacted.
     pub fn from_url(url: &str) -> Result<Self> {
         let mut url = ConnectionUrl::parse(&URL_SPEC, url)?;
         let config = Self {

@@ -425,8 +425,18 @@ impl ConnectionUrl {
     /// # Errors
     /// [`unknown_param_error`](Self::unknown_param_error) for the first one.
     pub fn reject_driver_params(&self) -> Result<()> {
-        match self.params.first() {
-            Some((name, _)) => Err(self.unknown_param_error(name, "")),
+        self.reject_driver_params_except(|_| false, "")
+    }
+
+    /// Fail on a driver parameter that `accepted` does not take: for backends whose driver would
+    /// ignore an unknown one (with a log line at best) instead of refusing it. `also` lists the
+    /// driver's parameters in the error, as in [`unknown_param_error`](Self::unknown_param_error).
+    ///
+    /// # Errors
+    /// [`unknown_param_error`](Self::unknown_param_error) for the first one not accepted.
+    pub fn reject_driver_params_except(&self, accepted: impl Fn(&str) -> bool, also: &str) -> Result<()> {
+        match self.params.iter().find(|(name, _)| !accepted(name)) {
+            Some((name, _)) => Err(self.unknown_param_error(name, also)),
             None => Ok(()),
         }
     }
@@ -1050,6 +1060,13 @@ mod tests {
         url.outbox_str("outbox_synchronous");
         let err = url.reject_driver_params().unwrap_err();
         assert!(err.to_string().contains("unknown URL parameter \"synchronous\" (known: outbox_synchronous)"), "{err}");
+        // A backend with some: the first one it does not take, with its list.
+        let url = ConnectionUrl::parse(&PG, "postgres://h/db?sslmode=disable&schema=ops&port=1").unwrap();
+        let accepted = |name: &str| ["sslmode", "port"].contains(&name);
+        let err = url.reject_driver_params_except(accepted, "or sslmode, port").unwrap_err();
+        assert!(err.to_string().contains("unknown URL parameter \"schema\" (known: none; or sslmode, port)"), "{err}");
+        let url = ConnectionUrl::parse(&PG, "postgres://h/db?sslmode=disable&port=1").unwrap();
+        assert!(url.reject_driver_params_except(accepted, "").is_ok());
     }
 
     #[test]

@@ -57,7 +57,8 @@ fn rows_per_statement(owner: &str) -> usize {
     (TLS_RECORD.saturating_sub(REQUEST_OVERHEAD + owner.len()) / BYTES_PER_ROW).max(1)
 }
 
-fn limit_param(limit: usize) -> i64 {
+/// A row limit as PostgreSQL's `bigint`.
+pub(crate) fn limit_param(limit: usize) -> i64 {
     i64::try_from(limit).unwrap_or(i64::MAX)
 }
 

@@ -212,9 +212,7 @@ impl PgTables {
     /// and grows back.
     pub(crate) fn claim_statement(&self, limit: usize) -> String {
         let (head, tail) = &self.sql.claim;
-        // PostgreSQL's LIMIT is a bigint.
-        let limit = limit.min(i64::MAX as usize);
-        format!("{head}{limit}{tail}")
+        format!("{head}{}{tail}", crate::store::limit_param(limit))
     }
 
     /// The retention statement ([`purge_published`](outbox_core::OutboxAdmin::purge_published)),

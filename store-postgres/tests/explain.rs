@@ -216,20 +216,12 @@ async fn claim_switches_to_its_generic_plan() {
             claimed += batch.len();
         }
     }
-    let leased = db.count(format!("SELECT count(*) FROM {events} WHERE owner = 'relay-plan' AND token = 1")).await;
-    assert_eq!(leased, i64::try_from(claimed).unwrap(), "rows leased once each, as the claims returned them");
+    assert_leased_once(&db, claimed).await;
 
-    let plans: Vec<(String, i64, i64)> = sqlx::query_as(
-        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements
-         WHERE statement LIKE '%FOR UPDATE SKIP LOCKED%' AND statement NOT LIKE '%pg_prepared_statements%'
-         ORDER BY statement",
-    )
-    .fetch_all(db.store.pool())
-    .await
-    .unwrap();
-    let counts: Vec<(bool, bool, i64, i64)> = plans
+    let counts: Vec<(bool, bool, i64, i64)> = prepared_claims(&db)
+        .await
         .iter()
-        .map(|(sql, generic, custom)| (sql.contains("LIMIT 20\n"), sql.contains("LIMIT 40\n"), *generic, *custom))
+        .map(|(_, sql, generic, custom)| (sql.contains("LIMIT 20\n"), sql.contains("LIMIT 40\n"), *generic, *custom))
         .collect();
     println!("-- prepared claims (limit 20?, limit 40?, generic plans, custom plans): {counts:?}");
     assert_eq!(counts.len(), 2, "one prepared claim per limit: {counts:?}");
@@ -272,22 +264,15 @@ async fn claim_generic_plan_made_on_an_empty_table_still_walks_the_indexes() {
         assert_eq!(batch.len(), 100, "a claim of 100 over 10,000 pending rows of 1,000 keys");
         claimed += batch.len();
     }
-    let leased = db.count(format!("SELECT count(*) FROM {events} WHERE owner = 'relay-plan' AND token = 1")).await;
-    assert_eq!(leased, i64::try_from(claimed).unwrap(), "rows leased once each, as the claims returned them");
+    assert_leased_once(&db, claimed).await;
 
     // The plan the connection keeps for the claim of 100.
-    let prepared: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT name, generic_plans FROM pg_prepared_statements
-         WHERE statement LIKE '%FOR UPDATE SKIP LOCKED%' AND statement NOT LIKE '%pg_prepared_statements%'",
-    )
-    .fetch_all(db.store.pool())
-    .await
-    .unwrap();
+    let prepared = prepared_claims(&db).await;
     assert_eq!(prepared.len(), 1, "{prepared:?}");
     // Alone, 6 of the 11 claims ran the generic plan made on the empty table. Beside the other
     // tests, whose schemas reset every backend's plan cache, the claims after the burst were
     // planned again (custom), so the count is not asserted.
-    let (name, generic) = &prepared[0];
+    let (name, _, generic, _) = &prepared[0];
     println!("-- 11 claims, {generic} on a generic plan");
     let plan: Vec<String> =
         sqlx::query_scalar(AssertSqlSafe(format!("EXPLAIN EXECUTE {name}(NULL, 'relay-explain', 30000)")))
@@ -299,4 +284,24 @@ async fn claim_generic_plan_made_on_an_empty_table_still_walks_the_indexes() {
     let index = format!("{}events_claimable", tables.prefix());
     assert!(plan.contains(&format!("Index Scan using {index}")), "{plan}");
     assert!(!plan.contains("Seq Scan"), "{plan}");
+}
+
+/// The claims the store prepared on its one connection (the tests above use a pool of one):
+/// name, statement, generic plans, custom plans; by statement.
+async fn prepared_claims(db: &TestDb) -> Vec<(String, String, i64, i64)> {
+    sqlx::query_as(
+        "SELECT name, statement, generic_plans, custom_plans FROM pg_prepared_statements
+         WHERE statement LIKE '%FOR UPDATE SKIP LOCKED%' AND statement NOT LIKE '%pg_prepared_statements%'
+         ORDER BY statement",
+    )
+    .fetch_all(db.store.pool())
+    .await
+    .unwrap()
+}
+
+/// Every row the claims returned is leased once, to the claimer, read back from the table.
+async fn assert_leased_once(db: &TestDb, claimed: usize) {
+    let events = db.store.tables().table("events").unwrap();
+    let leased = db.count(format!("SELECT count(*) FROM {events} WHERE owner = 'relay-plan' AND token = 1")).await;
+    assert_eq!(leased, i64::try_from(claimed).unwrap(), "rows leased once each, as the claims returned them");
 }

@@ -30,7 +30,21 @@ pub(crate) const REDIS_PIPELINES: usize = 4;
 /// batch (ids and tokens as arrays, the owner once; `published_token`, `published_at`,
 /// `lease_expires_at` set as the store sets them). The backlog must already be in place.
 pub(crate) async fn pg_sql(fx: &PgFixture, n: usize, batch: usize) -> Result<f64> {
-    pg_sql_with(fx, &fx.store.tables().claim_sql(batch), n, None).await
+    pg_sql_with(fx, &RawClaim::store(fx, batch), n).await
+}
+
+/// A claim statement for the raw SQL loop. Parameters: `$1` now, `$2` owner, `$3` lease, and
+/// `$4` the limit where `limit_param` is set (else the limit is in the text).
+pub(crate) struct RawClaim {
+    sql: String,
+    limit_param: Option<usize>,
+}
+
+impl RawClaim {
+    /// The store's own claim of at most `limit` rows.
+    pub(crate) fn store(fx: &PgFixture, limit: usize) -> Self {
+        Self { sql: fx.store.tables().claim_sql(limit), limit_param: None }
+    }
 }
 
 /// The claim statement of schema version 3, before per-key order (issue 16): the first `limit`
@@ -41,7 +55,7 @@ pub(crate) async fn pg_sql(fx: &PgFixture, n: usize, batch: usize) -> Result<f64
 /// in an init plan), so that both keep a generic plan and differ only in which rows they pick;
 /// [`V3Form::AsShipped`] as schema 3 shipped it (the limit a parameter, `$4`, and the clock a
 /// plain expression: planned again at every call).
-pub(crate) fn pg_claim_before_key_order(fx: &PgFixture, limit: usize, form: V3Form) -> Result<String> {
+pub(crate) fn pg_claim_before_key_order(fx: &PgFixture, limit: usize, form: V3Form) -> Result<RawClaim> {
     let current = fx.store.tables().claim_sql(limit);
     // The `RETURNING` list and the clock expression of today's statement.
     let returning = current
@@ -53,18 +67,18 @@ pub(crate) fn pg_claim_before_key_order(fx: &PgFixture, limit: usize, form: V3Fo
     if !current.contains(&init_plan) || !current.contains(&format!("LIMIT {limit}\n")) {
         return Err(fail("the store's claim statement no longer reads the clock or its limit as P8 expects"));
     }
-    let (now, limit) = match form {
-        V3Form::Today => (init_plan, limit.to_string()),
-        V3Form::AsShipped => (clock.to_owned(), "$4".to_owned()),
+    let (now, limit_text, limit_param) = match form {
+        V3Form::Today => (init_plan, limit.to_string(), None),
+        V3Form::AsShipped => (clock.to_owned(), "$4".to_owned(), Some(limit)),
     };
-    Ok(format!(
+    let sql = format!(
         "WITH c AS (
     SELECT id FROM {events}
     WHERE published_at IS NULL AND parked_at IS NULL
       AND available_at <= {now}
       AND (lease_expires_at IS NULL OR lease_expires_at <= {now})
     ORDER BY id
-    LIMIT {limit}
+    LIMIT {limit_text}
     FOR UPDATE SKIP LOCKED
 ), u AS (
     UPDATE {events} AS t
@@ -75,7 +89,8 @@ pub(crate) fn pg_claim_before_key_order(fx: &PgFixture, limit: usize, form: V3Fo
 )
 SELECT * FROM u ORDER BY id",
         events = fx.events_table
-    ))
+    );
+    Ok(RawClaim { sql, limit_param })
 }
 
 /// How [`pg_claim_before_key_order`] writes schema 3's claim.
@@ -87,11 +102,9 @@ pub(crate) enum V3Form {
     AsShipped,
 }
 
-/// [`pg_sql`] with another claim statement (same parameters: now, owner, lease; the limit in
-/// the text, or as a fourth parameter where `limit_param` is given).
-pub(crate) async fn pg_sql_with(fx: &PgFixture, claim: &str, n: usize, limit_param: Option<usize>) -> Result<f64> {
+/// [`pg_sql`] with another claim statement.
+pub(crate) async fn pg_sql_with(fx: &PgFixture, claim: &RawClaim, n: usize) -> Result<f64> {
     let mut conn = fx.connection().await?;
-    let claim = claim.to_owned();
     let complete = format!(
         "UPDATE {events} AS t SET published_token = t.token,
              published_at = floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint,
@@ -105,8 +118,8 @@ pub(crate) async fn pg_sql_with(fx: &PgFixture, claim: &str, n: usize, limit_par
     let t = Instant::now();
     let mut done = 0usize;
     loop {
-        let mut query = sqlx::query(AssertSqlSafe(claim.clone())).bind(None::<i64>).bind(OWNER).bind(lease_ms);
-        if let Some(limit) = limit_param {
+        let mut query = sqlx::query(AssertSqlSafe(claim.sql.clone())).bind(None::<i64>).bind(OWNER).bind(lease_ms);
+        if let Some(limit) = claim.limit_param {
             query = query.bind(i64::try_from(limit).unwrap_or(i64::MAX));
         }
         let claimed = query.fetch_all(&mut conn).await.map_err(map_error)?;

@@ -777,7 +777,7 @@ async fn p8(s: &Settings) -> Result<Vec<Row>> {
         let dest = destination(s, "p8")?;
         let before = raw::pg_claim_before_key_order(&fx, s.batch, raw::V3Form::Today)?;
         let shipped = raw::pg_claim_before_key_order(&fx, s.batch, raw::V3Form::AsShipped)?;
-        let today = fx.store.tables().claim_sql(s.batch);
+        let today = raw::RawClaim::store(&fx, s.batch);
         say(
             "P8",
             format!(
@@ -797,11 +797,11 @@ async fn p8(s: &Settings) -> Result<Vec<Row>> {
             let (mut old_rate, mut new_rate, mut shipped_rate) = (0f64, 0f64, 0f64);
             for _ in 0..2 {
                 fx.fill(events).await?;
-                old_rate = old_rate.max(raw::pg_sql_with(&fx, &before, s.events, None).await?);
+                old_rate = old_rate.max(raw::pg_sql_with(&fx, &before, s.events).await?);
                 fx.fill(events).await?;
-                new_rate = new_rate.max(raw::pg_sql_with(&fx, &today, s.events, None).await?);
+                new_rate = new_rate.max(raw::pg_sql_with(&fx, &today, s.events).await?);
                 fx.fill(events).await?;
-                shipped_rate = shipped_rate.max(raw::pg_sql_with(&fx, &shipped, s.events, Some(s.batch)).await?);
+                shipped_rate = shipped_rate.max(raw::pg_sql_with(&fx, &shipped, s.events).await?);
             }
             say(
                 "P8",

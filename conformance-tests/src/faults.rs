@@ -286,6 +286,10 @@ impl<I: Inbox> Inbox for FailingCommit<I> {
         self.inner.mark(tx, c, id, fp).await
     }
 
+    async fn begin_marked(&self, c: &str, id: &EventId, fp: &Fingerprint) -> Result<(I::Tx, MarkOutcome)> {
+        self.inner.begin_marked(c, id, fp).await
+    }
+
     async fn advance_version(&self, tx: &mut I::Tx, c: &str, s: &str, v: u64) -> Result<VersionOutcome> {
         self.inner.advance_version(tx, c, s, v).await
     }

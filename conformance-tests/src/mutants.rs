@@ -71,6 +71,9 @@ pub enum Mutant {
     AckBeforeCommit,
     /// Deduplication in a process-local set that a crash forgets.
     ProcessLocalDedupe,
+    /// A one-step [`Inbox::begin_marked`] that reports `New` when the marker is already there
+    /// (a fast path that, its insert refused, opens a plain transaction and goes on).
+    BeginMarkedIgnoresDuplicate,
     /// `complete_many` that checks the lease of the first row only; the others complete under
     /// whatever lease they have now.
     CompleteManyChecksFirstRowOnly,
@@ -112,7 +115,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 29] = [
+    pub const ALL: [Mutant; 30] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -127,6 +130,7 @@ impl Mutant {
         Mutant::EffectFirst,
         Mutant::AckBeforeCommit,
         Mutant::ProcessLocalDedupe,
+        Mutant::BeginMarkedIgnoresDuplicate,
         Mutant::CompleteManyChecksFirstRowOnly,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -200,6 +204,7 @@ impl fmt::Display for Mutant {
             Self::EffectFirst => "marker and effect in separate transactions (effect first)",
             Self::AckBeforeCommit => "ack before commit",
             Self::ProcessLocalDedupe => "dedupe in a process-local set",
+            Self::BeginMarkedIgnoresDuplicate => "begin_marked that reports New for a marker already there",
             Self::CompleteManyChecksFirstRowOnly => "complete_many that checks only the first row's lease",
             Self::DropsUnboundPublishes => "publish without mandatory: unbound destinations drop messages",
             Self::JoinedQueueNames => "queue names joined with '.' (destination and group names collide)",
@@ -539,6 +544,21 @@ impl Inbox for MutantInbox {
             }
             _ => self.inner.mark(&mut tx.inner, consumer, event_id, fp).await,
         }
+    }
+
+    async fn begin_marked(
+        &self,
+        consumer: &str,
+        event_id: &EventId,
+        fp: &Fingerprint,
+    ) -> Result<(MutantTx, MarkOutcome)> {
+        let mut tx = self.begin().await?;
+        let outcome = self.mark(&mut tx, consumer, event_id, fp).await?;
+        if self.mode == Mutant::BeginMarkedIgnoresDuplicate && outcome != MarkOutcome::New {
+            // The refused insert is forgotten: a fresh transaction, reported new.
+            return Ok((self.begin().await?, MarkOutcome::New));
+        }
+        Ok((tx, outcome))
     }
 
     async fn advance_version(&self, tx: &mut MutantTx, c: &str, s: &str, v: u64) -> Result<VersionOutcome> {

@@ -470,24 +470,31 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
         let c = self.consumer.clone();
         let inbox = &c.inner.inbox;
         let name = c.inner.config.name.as_str();
-        let mut tx = inbox.begin().await?;
-        match c.inner.handler.effect() {
-            EffectKind::Additive => match inbox.mark(&mut tx, name, &self.event.id, &self.event.fingerprint()).await? {
-                MarkOutcome::New => {}
-                MarkOutcome::Duplicate => self.verdict = Some(Handled::Duplicate),
-                MarkOutcome::Conflict { stored } => {
-                    let msg = format!(
-                        "event {} was first delivered with fingerprint {} and now with {}: same id, different content",
-                        self.event.id,
-                        stored.to_hex(),
-                        self.event.fingerprint().to_hex()
-                    );
-                    warn!(target: "outbox.consumer", consumer = name, event_id = %self.event.id, "{msg}");
-                    inbox.dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Conflict, msg)).await?;
-                    self.verdict = Some(Handled::Conflict);
+        let tx = match c.inner.handler.effect() {
+            // The transaction opens with the marker in it: one round trip where the store can.
+            EffectKind::Additive => {
+                let (mut tx, outcome) = inbox.begin_marked(name, &self.event.id, &self.event.fingerprint()).await?;
+                match outcome {
+                    MarkOutcome::New => {}
+                    MarkOutcome::Duplicate => self.verdict = Some(Handled::Duplicate),
+                    MarkOutcome::Conflict { stored } => {
+                        let msg = format!(
+                            "event {} was first delivered with fingerprint {} and now with {}: same id, different content",
+                            self.event.id,
+                            stored.to_hex(),
+                            self.event.fingerprint().to_hex()
+                        );
+                        warn!(target: "outbox.consumer", consumer = name, event_id = %self.event.id, "{msg}");
+                        inbox
+                            .dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Conflict, msg))
+                            .await?;
+                        self.verdict = Some(Handled::Conflict);
+                    }
                 }
-            },
+                tx
+            }
             EffectKind::Projection => {
+                let mut tx = inbox.begin().await?;
                 let (subject, version) = c.inner.handler.version(&self.event)?;
                 if let VersionOutcome::Stale { current } =
                     inbox.advance_version(&mut tx, name, &subject, version).await?
@@ -495,26 +502,33 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
                     debug!(target: "outbox.consumer", consumer = name, %subject, version, current, "stale projection event");
                     self.verdict = Some(Handled::Stale { current });
                 }
+                tx
             }
-            EffectKind::Notification => match inbox.ledger_state(&mut tx, name, &self.event.id).await? {
-                LedgerState::Done => self.verdict = Some(Handled::Duplicate),
-                LedgerState::Attempted => {
-                    let msg = format!(
-                        "notification {} was attempted before and its outcome is unknown; not repeating it",
-                        self.event.id
-                    );
-                    inbox.dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Uncertain, msg)).await?;
-                    self.verdict = Some(Handled::Uncertain);
+            EffectKind::Notification => {
+                let mut tx = inbox.begin().await?;
+                match inbox.ledger_state(&mut tx, name, &self.event.id).await? {
+                    LedgerState::Done => self.verdict = Some(Handled::Duplicate),
+                    LedgerState::Attempted => {
+                        let msg = format!(
+                            "notification {} was attempted before and its outcome is unknown; not repeating it",
+                            self.event.id
+                        );
+                        inbox
+                            .dead_letter(&mut tx, &c.dead_letter(&self.event, DeadLetterReason::Uncertain, msg))
+                            .await?;
+                        self.verdict = Some(Handled::Uncertain);
+                    }
+                    LedgerState::Fresh => {
+                        // "Attempted" must be durable before the external call.
+                        inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Attempted).await?;
+                        inbox.commit(tx).await?;
+                        tx = inbox.begin().await?;
+                    }
                 }
-                LedgerState::Fresh => {
-                    // "Attempted" must be durable before the external call.
-                    inbox.set_ledger_state(&mut tx, name, &self.event.id, LedgerState::Attempted).await?;
-                    inbox.commit(tx).await?;
-                    tx = inbox.begin().await?;
-                }
-            },
-            EffectKind::Idempotent => {}
-        }
+                tx
+            }
+            EffectKind::Idempotent => inbox.begin().await?,
+        };
         self.tx = Some(tx);
         Ok(())
     }

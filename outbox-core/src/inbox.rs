@@ -254,6 +254,28 @@ pub trait Inbox: InboxAdmin + 'static {
         fingerprint: &Fingerprint,
     ) -> Result<MarkOutcome>;
 
+    /// Open a transaction and [`mark`](Inbox::mark) `(consumer, event_id, fingerprint)` in it:
+    /// what the consumer runtime does first for an additive effect. The default calls
+    /// [`begin`](Inbox::begin) then `mark`; a store that talks to a server may do both in one
+    /// round trip (the PostgreSQL store does).
+    ///
+    /// # Behavior
+    /// - the outcome is the one `begin` then `mark` would give, and so is what is written:
+    ///   `New` with the marker written in the returned transaction (durable only when it
+    ///   commits, gone when it is dropped); `Duplicate` or `Conflict` with an open transaction in
+    ///   which nothing is written;
+    /// - two transactions marking the same key concurrently: at most one commits the marker.
+    async fn begin_marked(
+        &self,
+        consumer: &str,
+        event_id: &EventId,
+        fingerprint: &Fingerprint,
+    ) -> Result<(Self::Tx, MarkOutcome)> {
+        let mut tx = self.begin().await?;
+        let outcome = self.mark(&mut tx, consumer, event_id, fingerprint).await?;
+        Ok((tx, outcome))
+    }
+
     /// Move the projection `(consumer, subject)` to `version` if it is newer.
     ///
     /// # Behavior

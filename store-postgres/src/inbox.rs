@@ -357,6 +357,29 @@ impl Inbox for PgInbox {
         Err(vanished("mark"))
     }
 
+    /// One round trip when the marker is new: the marker's insert and the `BEGIN` go in one
+    /// simple query (see `PgTables::mark_then_begin`). When the marker exists the insert fails
+    /// with a unique violation, which leaves the connection idle with nothing written, and the
+    /// ordinary `begin` + `mark` tells a duplicate from a conflict (the server logs that
+    /// violation as an error: one line per duplicate delivery).
+    async fn begin_marked(
+        &self,
+        consumer: &str,
+        event_id: &EventId,
+        fingerprint_: &Fingerprint,
+    ) -> Result<(PgTx, MarkOutcome)> {
+        if let Some(statement) = self.tables.mark_then_begin(consumer, event_id.as_str(), &fingerprint_.0) {
+            match self.pool.begin_with(AssertSqlSafe(statement)).await {
+                Ok(tx) => return Ok((PgTx { tx }, MarkOutcome::New)),
+                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {}
+                Err(e) => return Err(map(e, Phase::InTransaction, "begin")),
+            }
+        }
+        let mut tx = self.begin().await?;
+        let outcome = self.mark(&mut tx, consumer, event_id, fingerprint_).await?;
+        Ok((tx, outcome))
+    }
+
     async fn advance_version(
         &self,
         tx: &mut PgTx,

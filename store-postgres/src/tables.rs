@@ -72,6 +72,8 @@ pub(crate) struct Sql {
     pub(crate) inspect: Arc<str>,
     pub(crate) mark_insert: Arc<str>,
     pub(crate) mark_select: Arc<str>,
+    /// `INSERT INTO markers … VALUES (` : the head of [`PgTables::mark_then_begin`].
+    pub(crate) mark_then_begin: Arc<str>,
     pub(crate) version_insert: Arc<str>,
     pub(crate) version_lock: Arc<str>,
     pub(crate) version_update: Arc<str>,
@@ -235,6 +237,28 @@ impl PgTables {
     pub(crate) fn now_param(&self) -> Option<i64> {
         self.clock.as_ref().map(|c| c.now().as_millis())
     }
+
+    /// One simple query that inserts the inbox marker and then opens a transaction with it:
+    /// `INSERT INTO markers … VALUES (…); BEGIN`, values written as constants (a simple query
+    /// takes no parameters). PostgreSQL runs the statements of one simple query in an implicit
+    /// transaction, and a `BEGIN` among them turns it into an ordinary open transaction that
+    /// holds the insert. When the insert fails (the marker exists: a unique violation), the
+    /// rest is skipped and the implicit transaction rolls back: the connection is left idle,
+    /// with nothing written. `None` when a value cannot be written as a constant (a NUL
+    /// character, which no PostgreSQL text holds): the caller takes the parameterized path.
+    pub(crate) fn mark_then_begin(&self, consumer: &str, event_id: &str, fingerprint: &[u8]) -> Option<String> {
+        let now = match self.now_param() {
+            Some(ms) => ms.to_string(),
+            None => NOW.replace("$1::bigint", "NULL::bigint"),
+        };
+        let hex: String = fingerprint.iter().map(|b| format!("{b:02x}")).collect();
+        Some(format!(
+            "{}{}, {}, decode('{hex}', 'hex'), {now}); BEGIN",
+            self.sql.mark_then_begin,
+            text_literal(consumer)?,
+            text_literal(event_id)?
+        ))
+    }
 }
 
 impl AsRef<PgTables> for PgTables {
@@ -253,6 +277,15 @@ impl fmt::Debug for PgTables {
             .field("parked_head", &self.parked_head)
             .finish_non_exhaustive()
     }
+}
+
+/// `text` as a string constant that reads the same whatever `standard_conforming_strings` is
+/// (`E'…'`, with `\` and `'` doubled); `None` for a NUL, which no PostgreSQL text holds.
+fn text_literal(text: &str) -> Option<String> {
+    if text.contains('\0') {
+        return None;
+    }
+    Some(format!("E'{}'", text.replace('\\', "\\\\").replace('\'', "''")))
 }
 
 /// Quote a validated identifier. Validation already excludes `"`, so this cannot be escaped.
@@ -468,6 +501,7 @@ FROM {events}"
 ON CONFLICT (consumer, event_id) DO NOTHING RETURNING true"
             )),
             mark_select: s(format!("SELECT fingerprint FROM {markers} WHERE consumer = $1 AND event_id = $2")),
+            mark_then_begin: s(format!("INSERT INTO {markers} (consumer, event_id, fingerprint, at) VALUES (")),
             version_insert: s(format!(
                 "INSERT INTO {versions} (consumer, subject, version) VALUES ($1, $2, $3)
 ON CONFLICT (consumer, subject) DO NOTHING RETURNING true"

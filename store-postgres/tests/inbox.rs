@@ -7,8 +7,8 @@ use std::time::Duration;
 use common::{TestDb, arc_clock, base_config, event, pg_available, unique_schema};
 use outbox_core::inbox::UNKNOWN_DESTINATION;
 use outbox_core::{
-    DeadLetter, DeadLetterReason, Event, EventId, Headers, Inbox, InboxAdmin, LedgerState, ManualClock, MarkOutcome,
-    Timestamp, VersionOutcome,
+    Clock, DeadLetter, DeadLetterReason, Event, EventId, Headers, Inbox, InboxAdmin, LedgerState, ManualClock,
+    MarkOutcome, Timestamp, VersionOutcome,
 };
 use outbox_store_postgres::sqlx::{self, AssertSqlSafe};
 use outbox_store_postgres::{PgInbox, PgStore, PgTx, SCHEMA_VERSION};
@@ -84,6 +84,87 @@ async fn new_duplicate_conflict_and_rollback_on_drop() {
     assert_eq!(ids, ["a", "b", "c", "d"]);
     assert_eq!(markers[0].fingerprint, a7.fingerprint());
     assert_eq!(inbox.markers("audit").await.unwrap().len(), 1);
+}
+
+/// The effect alone (the marker comes from `begin_marked`).
+async fn credit(tx: &mut PgTx, credits: &str, e: &Event) {
+    sqlx::query(AssertSqlSafe(format!("INSERT INTO {credits} (event_id, amount) VALUES ($1, $2)")))
+        .bind(e.id.as_str())
+        .bind(i64::from(e.payload[0]))
+        .execute(&mut **tx)
+        .await
+        .unwrap();
+}
+
+/// Prepared statements on the pool's one connection that insert an inbox marker: the
+/// parameterized `mark` prepares one; `begin_marked`'s one-step path sends a simple query and
+/// prepares nothing.
+async fn prepared_mark_inserts(db: &TestDb) -> i64 {
+    db.count("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'INSERT INTO %inbox_markers%'".into())
+        .await
+}
+
+/// `begin_marked` opens the transaction with the marker in it (one simple query: insert, then
+/// `BEGIN`); a marker already there makes that insert fail, which must leave the connection
+/// idle and clean, and the ordinary path then tells a duplicate from a conflict. On a pool of
+/// one connection, so every step after a refused insert runs on the connection it happened on.
+/// Names and ids carry `'` and `\`, which the one-step path writes as constants.
+#[tokio::test]
+async fn begin_marked_writes_the_marker_in_the_transaction_it_opens() {
+    let clock = ManualClock::new(Timestamp::from_millis(1_750_000_000_123));
+    let Some(db) = TestDb::open("begin_marked", Some(arc_clock(&clock)), |c| c.with_pool_size(1)).await else {
+        return;
+    };
+    let credits = credits_table(&db).await;
+    let inbox = db.store.inbox();
+    let consumer = r"o'brien\billing";
+    let (e1, e2) = (event(r"it's\1", &[7]), event(r"it's\2", &[5]));
+
+    // New, dropped: neither marker nor effect.
+    {
+        let (mut tx, outcome) = inbox.begin_marked(consumer, &e1.id, &e1.fingerprint()).await.unwrap();
+        assert_eq!(outcome, MarkOutcome::New);
+        credit(&mut tx, &credits, &e1).await;
+    }
+    assert_eq!(balance(&db, &credits).await, (0, 0));
+    assert!(inbox.markers(consumer).await.unwrap().is_empty());
+
+    // New, committed: marker (store clock, exact names) and effect together.
+    let (mut tx, outcome) = inbox.begin_marked(consumer, &e1.id, &e1.fingerprint()).await.unwrap();
+    assert_eq!(outcome, MarkOutcome::New);
+    credit(&mut tx, &credits, &e1).await;
+    inbox.commit(tx).await.unwrap();
+    assert_eq!(
+        prepared_mark_inserts(&db).await,
+        0,
+        "the new markers went in one simple query, not the prepared insert"
+    );
+    let markers = inbox.markers(consumer).await.unwrap();
+    assert_eq!(markers.len(), 1, "{markers:?}");
+    assert_eq!((markers[0].event_id.as_str(), markers[0].consumer.as_str()), (e1.id.as_str(), consumer));
+    assert_eq!((markers[0].fingerprint, markers[0].at), (e1.fingerprint(), clock.now()));
+
+    // Duplicate and conflict: the refused insert left the one connection usable.
+    let (tx, outcome) = inbox.begin_marked(consumer, &e1.id, &e1.fingerprint()).await.unwrap();
+    assert_eq!(outcome, MarkOutcome::Duplicate);
+    inbox.commit(tx).await.unwrap();
+    assert_eq!(prepared_mark_inserts(&db).await, 1, "a duplicate goes through the ordinary mark");
+    let other = event(r"it's\1", &[8]);
+    let (tx, outcome) = inbox.begin_marked(consumer, &other.id, &other.fingerprint()).await.unwrap();
+    assert_eq!(outcome, MarkOutcome::Conflict { stored: e1.fingerprint() });
+    drop(tx);
+
+    // And the next new event takes the one-step path again, on the same connection.
+    clock.advance(Duration::from_secs(1));
+    let (mut tx, outcome) = inbox.begin_marked(consumer, &e2.id, &e2.fingerprint()).await.unwrap();
+    assert_eq!(outcome, MarkOutcome::New);
+    credit(&mut tx, &credits, &e2).await;
+    inbox.commit(tx).await.unwrap();
+    assert_eq!(balance(&db, &credits).await, (2, 12));
+    let markers = inbox.markers(consumer).await.unwrap();
+    let got: Vec<(&str, Timestamp)> = markers.iter().map(|m| (m.event_id.as_str(), m.at)).collect();
+    assert_eq!(got, [(e1.id.as_str(), Timestamp::from_millis(1_750_000_000_123)), (e2.id.as_str(), clock.now())]);
+    assert!(inbox.markers("o'brien").await.unwrap().is_empty(), "the consumer name is stored whole");
 }
 
 #[tokio::test]

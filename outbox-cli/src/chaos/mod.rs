@@ -365,7 +365,7 @@ pub(crate) async fn run(args: ChaosArgs) -> Result<bool> {
             );
         }
         for h in &r.broker_heals {
-            println!("{}: NOTE: broker restarted by the drain: {h}", r.name);
+            println!("{}: NOTE: broker healed (restarted with the relays): {h}", r.name);
         }
         for p in &r.problems {
             println!("{}: FAIL: {p}", r.name);

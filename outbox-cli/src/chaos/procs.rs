@@ -186,6 +186,24 @@ impl Fleet {
         None
     }
 
+    /// SIGKILL every running process of `kind` and start each one again at once; how many were
+    /// killed. For a broker that holds a client's state against it (see `run::heal_broker`): a
+    /// new process is a new client.
+    pub(crate) fn restart_all(&self, kind: Kind) -> usize {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        let mut killed = 0;
+        for slot in inner.slots.iter_mut().filter(|s| s.kind == kind) {
+            if let Some(mut child) = slot.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+                killed += 1;
+                slot.restart_at = Some(now);
+            }
+        }
+        killed
+    }
+
     /// Make every slot start again as soon as possible (after the faults stop).
     pub(crate) fn start_all_now(&self) {
         let now = Instant::now();

@@ -155,8 +155,8 @@ pub(crate) struct ComboReport {
     /// Published rows the relays' retention deleted during the run (long profile); the judge
     /// read them from the runner's snapshots.
     pub(crate) purged: u64,
-    /// Restarts of a broker that failed inside (a panicked task) and stopped serving, made by
-    /// the drain so the contract can be judged: what failed, and when.
+    /// Restarts of a broker that failed inside (a panicked task) and stopped serving, with the
+    /// relays, made so the contract can be judged: when, what failed, and the restart.
     pub(crate) broker_heals: Vec<String>,
     pub(crate) problems: Vec<String>,
     pub(crate) logs: Option<String>,

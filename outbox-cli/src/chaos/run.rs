@@ -226,6 +226,10 @@ async fn play_in(
         producers.spawn(job.run());
     }
     let faults = scoped(execute_faults(schedule.faults.clone(), env.clone(), fleet.clone(), log.clone(), start));
+    let heals: Heals = Arc::default();
+    // Healing goes on until the audit group has read the destination, after the drain.
+    let heal_stop = Arc::new(AtomicBool::new(false));
+    let watcher = scoped(watch_broker(env.clone(), fleet.clone(), heals.clone(), heal_stop.clone(), start, combo.name));
     let sampler = settings.stats_window.map(|w| scoped(sample(site.clone(), w, stop.clone())));
     // With retention on, relays delete published rows: keep what the judge needs of them.
     let kept: Arc<Mutex<BTreeMap<String, RowTimes>>> = Arc::default();
@@ -275,7 +279,7 @@ async fn play_in(
     // Faults are over: every process up, then drain.
     fleet.start_all_now();
     let drain_deadline = Instant::now() + settings.drain;
-    let drained = drain(&site, &bad, env, drain_deadline, &mut report.broker_heals, combo.name).await;
+    let drained = drain(&site, &bad, drain_deadline).await;
     let mut committed_past = None;
     if !drained {
         // Ask the broker where the missing effects are while the fleet still runs.
@@ -322,7 +326,11 @@ async fn play_in(
         );
     }
     let published = rows.values().filter(|r| r.published_ms.is_some()).count() as u64;
-    let (offers, foreign) = audit_offers(broker.as_ref(), &destination, &audit, published, settings.drain).await?;
+    let audited = audit_offers(broker.as_ref(), &destination, &audit, published, settings.drain).await;
+    heal_stop.store(true, Ordering::SeqCst);
+    watcher.await.map_err(join_error)?;
+    report.broker_heals = heals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (offers, foreign) = audited?;
     bad.foreign_offers = foreign;
     let admin = site.inbox_admin();
     let dead = read(admin.dead_letters(CONSUMER)).await?;
@@ -666,41 +674,74 @@ fn went_back(
 // ---------------------------------------------------------------------------------------------
 // Drain and audit.
 
-/// How many times the drain restarts a broker that failed inside (see [`drain`]).
-const MAX_BROKER_HEALS: usize = 3;
+/// How many times one combination restarts a broker that failed inside (see [`heal_broker`]).
+const MAX_BROKER_HEALS: usize = 20;
+
+/// How often the window's watcher asks whether the broker failed inside.
+const HEAL_CHECK: Duration = Duration::from_secs(1);
+
+/// The heals of one combination ([`watch_broker`] writes them, the report reads them).
+type Heals = Arc<Mutex<Vec<String>>>;
+
+/// Restart a broker that failed inside and stopped serving, with every relay, as an operator
+/// would. Each heal is printed and recorded in `heals` (the report's
+/// `broker_heals`), so a pass that needed one says so; after [`MAX_BROKER_HEALS`] it stops
+/// healing and the run judges what the broken broker left.
+///
+/// The case it exists for: tansu 0.6's SQLite storage panics ("more or less than one row") on
+/// a produce whose producer epoch it never handed out, and its storage task is gone until a
+/// restart. librdkafka's idempotent producer bumps its own epoch after messages time out in
+/// flight or after a gap in sequence numbers (KIP-360, `rdkafka_idempotence.c`: "the idempotent
+/// producer can bump its own epoch"), which a Kafka broker accepts; tansu does not. The bumped
+/// producer lives in the relay, so a restarted tansu meets it again at once: the relays are
+/// restarted too (SIGKILL; new processes are new producers). Killing a relay is a fault the
+/// contract survives anyway: its leases expire and other relays claim the rows again.
+async fn heal_broker(env: &Env, fleet: &Fleet, heals: &Heals, when: &str, combo: &str) {
+    let count = || heals.lock().unwrap_or_else(|p| p.into_inner()).len();
+    if count() >= MAX_BROKER_HEALS || env.broker_failed_internally().is_none() {
+        return;
+    }
+    let _one_at_a_time = env.broker_lock.lock().await;
+    // A scheduled restart may have run while this waited for the lock.
+    let Some(why) = env.broker_failed_internally() else { return };
+    let outcome = match env.restart_broker().await {
+        Ok((name, down)) => format!("{name} restarted in {down:.1?}"),
+        Err(e) => format!("restart failed: {e}"),
+    };
+    let relays = fleet.restart_all(Kind::Relay);
+    let heal = format!("{when}: the broker failed inside ({why}); {outcome}, and {relays} relays with it");
+    println!("{combo}: {heal} (a broker bug, not the contract's; heal {} of at most {MAX_BROKER_HEALS})", count() + 1);
+    heals.lock().unwrap_or_else(|p| p.into_inner()).push(heal);
+}
+
+/// Heal the broker whenever it fails inside (see [`heal_broker`]), from the window's start
+/// until `stop` (after the drain and the audit group's read).
+async fn watch_broker(
+    env: Arc<Env>,
+    fleet: Fleet,
+    heals: Heals,
+    stop: Arc<AtomicBool>,
+    start: Instant,
+    combo: &'static str,
+) {
+    loop {
+        tokio::time::sleep(HEAL_CHECK).await;
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        heal_broker(&env, &fleet, &heals, &format!("at {:.0?}", start.elapsed()), combo).await;
+    }
+}
 
 /// Wait until no row is pending or leased and every row that is neither parked nor
 /// dead-lettered has its effect, and (for at most [`BAD_INPUT_GRACE`] more) until the poison
-/// event and the foreign message have their dead letters; `false` at `deadline`.
-///
-/// A broker that failed inside and stopped serving (tansu 0.6's storage task can panic after a
-/// SIGKILL, then every produce fails until a restart) is restarted, at most
-/// [`MAX_BROKER_HEALS`] times, as an operator would; each restart is printed and recorded in
-/// `heals`, so a pass that needed one says so.
-async fn drain(
-    site: &Site,
-    bad: &BadInput,
-    env: &Env,
-    deadline: Instant,
-    heals: &mut Vec<String>,
-    combo: &str,
-) -> bool {
+/// event and the foreign message have their dead letters; `false` at `deadline`. (The window's
+/// watcher, [`watch_broker`], keeps healing the broker meanwhile.)
+async fn drain(site: &Site, bad: &BadInput, deadline: Instant) -> bool {
     let admin = site.inbox_admin();
     let mut last: String;
     let mut bad_deadline: Option<Instant> = None;
     loop {
-        if heals.len() < MAX_BROKER_HEALS
-            && let Some(why) = env.broker_failed_internally()
-        {
-            let _one_at_a_time = env.broker_lock.lock().await;
-            let outcome = match env.restart_broker().await {
-                Ok((name, down)) => format!("{name} restarted in {down:.1?}"),
-                Err(e) => format!("restart failed: {e}"),
-            };
-            let heal = format!("the broker failed inside ({why}); {outcome}");
-            println!("{combo}: drain: {heal} (a broker bug, not the contract's)");
-            heals.push(heal);
-        }
         let check = async {
             let rows = site.rows().await?;
             let open = rows.values().filter(|r| r.published_ms.is_none() && r.parked.is_none()).count();

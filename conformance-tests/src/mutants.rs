@@ -552,8 +552,7 @@ impl Inbox for MutantInbox {
         event_id: &EventId,
         fp: &Fingerprint,
     ) -> Result<(MutantTx, MarkOutcome)> {
-        let mut tx = self.begin().await?;
-        let outcome = self.mark(&mut tx, consumer, event_id, fp).await?;
+        let (tx, outcome) = outbox_core::inbox::begin_then_mark(self, consumer, event_id, fp).await?;
         if self.mode == Mutant::BeginMarkedIgnoresDuplicate && outcome != MarkOutcome::New {
             // The refused insert is forgotten: a fresh transaction, reported new.
             return Ok((self.begin().await?, MarkOutcome::New));

@@ -213,6 +213,22 @@ pub trait InboxAdmin: Send + Sync {
     async fn prune_markers(&self, consumer: &str, older_than: Duration) -> Result<u64>;
 }
 
+/// [`Inbox::begin`] then [`Inbox::mark`]: what [`Inbox::begin_marked`] does by default, for an
+/// override that takes its one-step path only sometimes (or wraps the two calls).
+///
+/// # Errors
+/// Those of `begin` and `mark`.
+pub async fn begin_then_mark<I: Inbox + ?Sized>(
+    inbox: &I,
+    consumer: &str,
+    event_id: &EventId,
+    fingerprint: &Fingerprint,
+) -> Result<(I::Tx, MarkOutcome)> {
+    let mut tx = inbox.begin().await?;
+    let outcome = inbox.mark(&mut tx, consumer, event_id, fingerprint).await?;
+    Ok((tx, outcome))
+}
+
 /// Consumer-side durable state, written only inside the caller's transaction.
 ///
 /// `Tx` is the store's transaction handle; the consumer's handler runs its business effect on
@@ -271,9 +287,7 @@ pub trait Inbox: InboxAdmin + 'static {
         event_id: &EventId,
         fingerprint: &Fingerprint,
     ) -> Result<(Self::Tx, MarkOutcome)> {
-        let mut tx = self.begin().await?;
-        let outcome = self.mark(&mut tx, consumer, event_id, fingerprint).await?;
-        Ok((tx, outcome))
+        begin_then_mark(self, consumer, event_id, fingerprint).await
     }
 
     /// Move the projection `(consumer, subject)` to `version` if it is newer.

@@ -368,16 +368,14 @@ impl Inbox for PgInbox {
         event_id: &EventId,
         fingerprint_: &Fingerprint,
     ) -> Result<(PgTx, MarkOutcome)> {
-        if let Some(statement) = self.tables.mark_then_begin(consumer, event_id.as_str(), &fingerprint_.0) {
+        if let Some(statement) = self.tables.mark_then_begin(consumer, event_id.as_str(), fingerprint_) {
             match self.pool.begin_with(AssertSqlSafe(statement)).await {
                 Ok(tx) => return Ok((PgTx { tx }, MarkOutcome::New)),
                 Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {}
                 Err(e) => return Err(map(e, Phase::InTransaction, "begin")),
             }
         }
-        let mut tx = self.begin().await?;
-        let outcome = self.mark(&mut tx, consumer, event_id, fingerprint_).await?;
-        Ok((tx, outcome))
+        outbox_core::inbox::begin_then_mark(self, consumer, event_id, fingerprint_).await
     }
 
     async fn advance_version(

@@ -8,14 +8,25 @@
 use std::fmt;
 use std::sync::Arc;
 
-use outbox_core::{ParkedHead, Result, SharedClock};
+use outbox_core::{Fingerprint, ParkedHead, Result, SharedClock};
 
 use crate::config::PgConfig;
+
+/// The database clock's expression, once for [`NOW`] and [`DB_NOW`] (`concat!` takes literals).
+macro_rules! db_now {
+    () => {
+        "floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint"
+    };
+}
 
 /// "Now" in milliseconds: the injected clock when `$1` is not null, else the database clock at
 /// the start of the statement (`statement_timestamp()` is stable within a statement, so every
 /// row of one claim sees the same instant).
-const NOW: &str = "COALESCE($1::bigint, floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint)";
+const NOW: &str = concat!("COALESCE($1::bigint, ", db_now!(), ")");
+
+/// The database clock alone, in milliseconds: [`NOW`] without the injected clock, for a statement
+/// that takes no parameters ([`PgTables::mark_then_begin`]).
+const DB_NOW: &str = db_now!();
 
 /// The columns of an outbox row, in the order [`crate::store`] decodes them.
 const COLUMNS: [&str; 16] = [
@@ -246,17 +257,14 @@ impl PgTables {
     /// rest is skipped and the implicit transaction rolls back: the connection is left idle,
     /// with nothing written. `None` when a value cannot be written as a constant (a NUL
     /// character, which no PostgreSQL text holds): the caller takes the parameterized path.
-    pub(crate) fn mark_then_begin(&self, consumer: &str, event_id: &str, fingerprint: &[u8]) -> Option<String> {
-        let now = match self.now_param() {
-            Some(ms) => ms.to_string(),
-            None => NOW.replace("$1::bigint", "NULL::bigint"),
-        };
-        let hex: String = fingerprint.iter().map(|b| format!("{b:02x}")).collect();
+    pub(crate) fn mark_then_begin(&self, consumer: &str, event_id: &str, fingerprint: &Fingerprint) -> Option<String> {
+        let now = self.now_param().map_or_else(|| DB_NOW.to_string(), |ms| ms.to_string());
         Some(format!(
-            "{}{}, {}, decode('{hex}', 'hex'), {now}); BEGIN",
+            "{}{}, {}, decode('{}', 'hex'), {now}); BEGIN",
             self.sql.mark_then_begin,
             text_literal(consumer)?,
-            text_literal(event_id)?
+            text_literal(event_id)?,
+            fingerprint.to_hex()
         ))
     }
 }

@@ -167,6 +167,25 @@ async fn begin_marked_writes_the_marker_in_the_transaction_it_opens() {
     assert!(inbox.markers("o'brien").await.unwrap().is_empty(), "the consumer name is stored whole");
 }
 
+/// Without an injected clock, `begin_marked`'s one-step path stamps the marker with the
+/// database clock in milliseconds, as the parameterized `mark` does.
+#[tokio::test]
+async fn begin_marked_stamps_the_database_clock() {
+    let Some(db) = TestDb::new("begin_marked_db_clock").await else { return };
+    let inbox = db.store.inbox();
+    let db_now_ms = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint".to_string();
+    let e = event("stamped", &[1]);
+    let before = db.count(db_now_ms.clone()).await;
+    let (tx, outcome) = inbox.begin_marked(CONSUMER, &e.id, &e.fingerprint()).await.unwrap();
+    assert_eq!(outcome, MarkOutcome::New);
+    inbox.commit(tx).await.unwrap();
+    let after = db.count(db_now_ms).await;
+    let markers = inbox.markers(CONSUMER).await.unwrap();
+    assert_eq!(markers.len(), 1, "{markers:?}");
+    let at = markers[0].at.as_millis();
+    assert!((before..=after).contains(&at), "marker at {at}, database clock {before}..={after} ms");
+}
+
 #[tokio::test]
 async fn concurrent_duplicates_serialize_on_the_key() {
     let Some(db) = TestDb::new("race").await else { return };

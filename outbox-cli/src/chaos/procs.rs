@@ -28,6 +28,23 @@ struct Slot {
     restart_at: Option<Instant>,
 }
 
+impl Slot {
+    /// SIGKILL and reap the slot's process if it is running, and have it start again at
+    /// `restart_at`; the process killed. One that already exited is left for
+    /// [`Fleet::tick`] to count.
+    fn kill_running(&mut self, restart_at: Instant) -> Option<Child> {
+        let mut child = self.child.take()?;
+        if child.try_wait().ok().flatten().is_some() {
+            self.child = Some(child);
+            return None;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        self.restart_at = Some(restart_at);
+        Some(child)
+    }
+}
+
 /// What the fleet did, for the report.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct FleetStats {
@@ -169,14 +186,7 @@ impl Fleet {
         }
         for k in 0..slots.len() {
             let slot = &mut inner.slots[slots[(index + k) % slots.len()]];
-            let Some(mut child) = slot.child.take() else { continue };
-            if child.try_wait().ok().flatten().is_some() {
-                slot.child = Some(child);
-                continue;
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-            slot.restart_at = Some(Instant::now() + restart_after);
+            let Some(child) = slot.kill_running(Instant::now() + restart_after) else { continue };
             let what = match kind {
                 Kind::Relay => "relay",
                 Kind::Consumer => "consumer",
@@ -190,18 +200,8 @@ impl Fleet {
     /// killed. For a broker that holds a client's state against it (see `run::heal_broker`): a
     /// new process is a new client.
     pub(crate) fn restart_all(&self, kind: Kind) -> usize {
-        let mut inner = self.lock();
         let now = Instant::now();
-        let mut killed = 0;
-        for slot in inner.slots.iter_mut().filter(|s| s.kind == kind) {
-            if let Some(mut child) = slot.child.take() {
-                let _ = child.kill();
-                let _ = child.wait();
-                killed += 1;
-                slot.restart_at = Some(now);
-            }
-        }
-        killed
+        self.lock().slots.iter_mut().filter(|s| s.kind == kind).filter_map(|s| s.kill_running(now)).count()
     }
 
     /// Make every slot start again as soon as possible (after the faults stop).

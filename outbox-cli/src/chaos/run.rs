@@ -226,10 +226,9 @@ async fn play_in(
         producers.spawn(job.run());
     }
     let faults = scoped(execute_faults(schedule.faults.clone(), env.clone(), fleet.clone(), log.clone(), start));
-    let heals: Heals = Arc::default();
     // Healing goes on until the audit group has read the destination, after the drain.
     let heal_stop = Arc::new(AtomicBool::new(false));
-    let watcher = scoped(watch_broker(env.clone(), fleet.clone(), heals.clone(), heal_stop.clone(), start, combo.name));
+    let watcher = scoped(watch_broker(env.clone(), fleet.clone(), heal_stop.clone(), start, combo.name));
     let sampler = settings.stats_window.map(|w| scoped(sample(site.clone(), w, stop.clone())));
     // With retention on, relays delete published rows: keep what the judge needs of them.
     let kept: Arc<Mutex<BTreeMap<String, RowTimes>>> = Arc::default();
@@ -328,8 +327,7 @@ async fn play_in(
     let published = rows.values().filter(|r| r.published_ms.is_some()).count() as u64;
     let audited = audit_offers(broker.as_ref(), &destination, &audit, published, settings.drain).await;
     heal_stop.store(true, Ordering::SeqCst);
-    watcher.await.map_err(join_error)?;
-    report.broker_heals = heals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    report.broker_heals = watcher.await.map_err(join_error)?;
     let (offers, foreign) = audited?;
     bad.foreign_offers = foreign;
     let admin = site.inbox_admin();
@@ -680,12 +678,9 @@ const MAX_BROKER_HEALS: usize = 20;
 /// How often the window's watcher asks whether the broker failed inside.
 const HEAL_CHECK: Duration = Duration::from_secs(1);
 
-/// The heals of one combination ([`watch_broker`] writes them, the report reads them).
-type Heals = Arc<Mutex<Vec<String>>>;
-
 /// Restart a broker that failed inside and stopped serving, with every relay, as an operator
-/// would. Each heal is printed and recorded in `heals` (the report's
-/// `broker_heals`), so a pass that needed one says so; after [`MAX_BROKER_HEALS`] it stops
+/// would. Each heal is printed and recorded in `heals` ([`watch_broker`] returns them: the
+/// report's `broker_heals`), so a pass that needed one says so; after [`MAX_BROKER_HEALS`] it stops
 /// healing and the run judges what the broken broker left.
 ///
 /// The case it exists for: tansu 0.6's SQLite storage panics ("more or less than one row") on
@@ -696,9 +691,8 @@ type Heals = Arc<Mutex<Vec<String>>>;
 /// producer lives in the relay, so a restarted tansu meets it again at once: the relays are
 /// restarted too (SIGKILL; new processes are new producers). Killing a relay is a fault the
 /// contract survives anyway: its leases expire and other relays claim the rows again.
-async fn heal_broker(env: &Env, fleet: &Fleet, heals: &Heals, when: &str, combo: &str) {
-    let count = || heals.lock().unwrap_or_else(|p| p.into_inner()).len();
-    if count() >= MAX_BROKER_HEALS || env.broker_failed_internally().is_none() {
+async fn heal_broker(env: &Env, fleet: &Fleet, heals: &mut Vec<String>, when: &str, combo: &str) {
+    if heals.len() >= MAX_BROKER_HEALS || env.broker_failed_internally().is_none() {
         return;
     }
     let _one_at_a_time = env.broker_lock.lock().await;
@@ -710,8 +704,11 @@ async fn heal_broker(env: &Env, fleet: &Fleet, heals: &Heals, when: &str, combo:
     };
     let relays = fleet.restart_all(Kind::Relay);
     let heal = format!("{when}: the broker failed inside ({why}); {outcome}, and {relays} relays with it");
-    println!("{combo}: {heal} (a broker bug, not the contract's; heal {} of at most {MAX_BROKER_HEALS})", count() + 1);
-    heals.lock().unwrap_or_else(|p| p.into_inner()).push(heal);
+    println!(
+        "{combo}: {heal} (a broker bug, not the contract's; heal {} of at most {MAX_BROKER_HEALS})",
+        heals.len() + 1
+    );
+    heals.push(heal);
 }
 
 /// Heal the broker whenever it fails inside (see [`heal_broker`]), from the window's start
@@ -719,17 +716,17 @@ async fn heal_broker(env: &Env, fleet: &Fleet, heals: &Heals, when: &str, combo:
 async fn watch_broker(
     env: Arc<Env>,
     fleet: Fleet,
-    heals: Heals,
     stop: Arc<AtomicBool>,
     start: Instant,
     combo: &'static str,
-) {
+) -> Vec<String> {
+    let mut heals = Vec::new();
     loop {
         tokio::time::sleep(HEAL_CHECK).await;
         if stop.load(Ordering::SeqCst) {
-            return;
+            return heals;
         }
-        heal_broker(&env, &fleet, &heals, &format!("at {:.0?}", start.elapsed()), combo).await;
+        heal_broker(&env, &fleet, &mut heals, &format!("at {:.0?}", start.elapsed()), combo).await;
     }
 }
 

@@ -21,6 +21,7 @@ mod metrics;
 mod ops;
 mod relay;
 mod signals;
+mod stderr;
 
 /// Exit code of a runtime error.
 const EXIT_ERROR: u8 = 1;
@@ -119,7 +120,7 @@ fn init_logging(cli: &Cli) -> Result<(), String> {
     };
     let spec = cli.log.clone().unwrap_or_else(|| default.to_string());
     let filter = tracing_subscriber::EnvFilter::try_new(&spec).map_err(|e| format!("--log {spec:?}: {e}"))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| stderr::Log);
     match cli.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -162,9 +163,7 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(EXIT_VERDICT),
         Err(e) => {
-            // One line, whatever the source chain holds.
-            let text = e.to_string().replace(['\n', '\r'], " ");
-            eprintln!("outbox: {text}");
+            stderr::final_error(&e.to_string());
             ExitCode::from(if e.kind() == outbox::ErrorKind::InvalidInput { EXIT_USAGE } else { EXIT_ERROR })
         }
     }

@@ -805,10 +805,21 @@ async fn audit_offers(
     };
     let mut offers: BTreeMap<String, u64> = BTreeMap::new();
     let mut foreign = 0;
+    // Receive errors are retried until the deadline; the count and the last one say why a
+    // short read was short.
+    let (mut errors, mut last_error) = (0u64, String::new());
     loop {
         let caught_up = offers.len() as u64 >= published;
         if Instant::now() >= deadline {
-            eprintln!("outbox chaos: the audit group read {} distinct events of {published} published", offers.len());
+            let why = if errors == 0 {
+                "no receive error".to_string()
+            } else {
+                format!("{errors} receive errors, the last: {last_error}")
+            };
+            eprintln!(
+                "outbox chaos: the audit group read {} distinct events of {published} published ({why})",
+                offers.len()
+            );
             return Ok((offers, foreign));
         }
         let wait = if caught_up { Duration::from_millis(1500) } else { Duration::from_millis(500) };
@@ -820,7 +831,14 @@ async fn audit_offers(
             Ok(Ok(None)) if caught_up => return Ok((offers, foreign)),
             Ok(Ok(None)) => {}
             Ok(Err(e)) if e.kind() == ErrorKind::Corrupt => foreign += 1,
-            Ok(Err(_)) | Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            Ok(Err(e)) => {
+                (errors, last_error) = (errors + 1, e.to_string());
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(_) => {
+                (errors, last_error) = (errors + 1, format!("no answer within {READ_TIMEOUT:?}"));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
         }
     }
 }

@@ -131,13 +131,13 @@ fn init_logging(cli: &Cli) -> Result<(), String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Err(e) = init_logging(&cli) {
-        eprintln!("outbox: {e}");
+        stderr::final_error(&e);
         return ExitCode::from(EXIT_USAGE);
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("outbox: cannot start the async runtime: {e}");
+            stderr::final_error(&format!("cannot start the async runtime: {e}"));
             return ExitCode::from(EXIT_ERROR);
         }
     };

@@ -823,23 +823,23 @@ async fn audit_offers(
             return Ok((offers, foreign));
         }
         let wait = if caught_up { Duration::from_millis(1500) } else { Duration::from_millis(500) };
-        match tokio::time::timeout(READ_TIMEOUT, subscription.next(wait)).await {
+        let failure = match tokio::time::timeout(READ_TIMEOUT, subscription.next(wait)).await {
             Ok(Ok(Some(d))) => {
                 *offers.entry(d.event.id.to_string()).or_default() += 1;
                 let _ = d.ack().await;
+                continue;
             }
             Ok(Ok(None)) if caught_up => return Ok((offers, foreign)),
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) if e.kind() == ErrorKind::Corrupt => foreign += 1,
-            Ok(Err(e)) => {
-                (errors, last_error) = (errors + 1, e.to_string());
-                tokio::time::sleep(Duration::from_millis(200)).await;
+            Ok(Ok(None)) => continue,
+            Ok(Err(e)) if e.kind() == ErrorKind::Corrupt => {
+                foreign += 1;
+                continue;
             }
-            Err(_) => {
-                (errors, last_error) = (errors + 1, format!("no answer within {READ_TIMEOUT:?}"));
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {READ_TIMEOUT:?}"),
+        };
+        (errors, last_error) = (errors + 1, failure);
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

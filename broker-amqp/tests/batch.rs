@@ -126,12 +126,25 @@ fn assert_once_in_order(sent: &[Event], received: &[Event]) {
     }
 }
 
+/// A mixed batch (three keys, keyless events, headers, binary payloads) on the default one channel
+/// per batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mixed_batch_arrives_once_byte_for_byte_in_key_order() {
+    mixed_batch_arrives_once_in_key_order("mixed", |c| c).await;
+}
+
+/// The same batch spread over every publishing channel: each key stays on one channel, so its
+/// events still arrive in slice order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mixed_batch_spread_over_sixteen_channels_arrives_once_in_key_order() {
+    mixed_batch_arrives_once_in_key_order("spread", |c| c.with_batch_channels(16).unwrap()).await;
+}
+
+async fn mixed_batch_arrives_once_in_key_order(tag: &str, adjust: impl FnOnce(AmqpConfig) -> AmqpConfig) {
     if !server() {
         return;
     }
-    let fx = Fixture::new("mixed", |c| c);
+    let fx = Fixture::new(tag, adjust);
     fx.broker.declare(fx.dest(), std::slice::from_ref(&fx.group)).await.unwrap();
     let events = mixed(fx.dest(), "m");
     let results = fx.broker.publish_batch(&events).await;
@@ -145,8 +158,8 @@ async fn a_mixed_batch_arrives_once_byte_for_byte_in_key_order() {
     assert!(fx.broker.publish_batch(&[]).await.is_empty(), "an empty batch is an empty result");
 }
 
-/// `batch_channels` caps the channels of one batch: two batches at once, each on one channel of
-/// its own, still deliver every event once in key order.
+/// Two batches at once, each on one channel of its own (the default, set here explicitly with
+/// two publishing channels), still deliver every event once in key order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_capped_to_one_channel_each_arrive_once_in_key_order() {
     if !server() {

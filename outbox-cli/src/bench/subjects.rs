@@ -187,7 +187,8 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
             "P2",
             format!(
                 "PostgreSQL -> RabbitMQ. schema {}, exchange {} -> queue {} ({} queue), raw exchange {}; {} events; relay: \
-                 {}, {} publish channels; raw publish: one channel, confirms over a window of {}, mandatory, persistent",
+                 {}, {} publish channels, {} per batch; raw publish: one channel, confirms over a window of {}, mandatory, \
+                 persistent",
                 fx.schema,
                 config.exchange_name(&dest)?,
                 config.queue_name(&dest, &group)?,
@@ -196,6 +197,7 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
                 s.events,
                 relay_settings(s),
                 config.publish_channels(),
+                config.batch_channels(),
                 raw::AMQP_WINDOW
             ),
         );
@@ -239,9 +241,11 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
             Some(base),
             Some(0.8),
             format!(
-                "1 relay, {}, {} channels, {} queue; raw SQL {}, raw publish {} (window {}); both at once: {} / {}",
+                "1 relay, {}, {} channels ({} per batch), {} queue; raw SQL {}, raw publish {} (window {}); both at \
+                 once: {} / {}",
                 relay_settings(s),
                 config.publish_channels(),
+                config.batch_channels(),
                 config.queue_type().as_str(),
                 rate(sql),
                 rate(publish),

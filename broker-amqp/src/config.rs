@@ -171,7 +171,7 @@ pub struct AmqpConfig {
     confirm_timeout: Duration,
     connect_timeout: Duration,
     publish_channels: usize,
-    batch_channels: Option<usize>,
+    batch_channels: usize,
     declare_topology: bool,
     max_payload: usize,
     connection_name: String,
@@ -217,7 +217,7 @@ impl AmqpConfig {
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             publish_channels: DEFAULT_PUBLISH_CHANNELS,
-            batch_channels: None,
+            batch_channels: 1,
             declare_topology: true,
             max_payload: DEFAULT_MAX_PAYLOAD,
             connection_name: "outbox".to_string(),
@@ -397,7 +397,7 @@ impl AmqpConfig {
         if !(1..=1024).contains(&channels) {
             return Err(Error::config(BACKEND, format!("batch_channels={channels}: expected 1 to 1024")));
         }
-        self.batch_channels = Some(channels);
+        self.batch_channels = channels;
         Ok(self)
     }
 
@@ -486,7 +486,7 @@ impl AmqpConfig {
 
     /// See [`with_batch_channels`](Self::with_batch_channels): the cap in effect.
     pub fn batch_channels(&self) -> usize {
-        self.batch_channels.unwrap_or(1).min(self.publish_channels)
+        self.batch_channels.min(self.publish_channels)
     }
 
     /// See [`with_declare_topology`](Self::with_declare_topology).

@@ -60,7 +60,10 @@ impl AmqpBrokerHarness {
     /// Fixtures on the server of `url`. The groups' queues are quorum queues unless the URL
     /// names an `outbox_queue_type`: RabbitMQ's recommended durable queue type, and the one that
     /// reports a delivery count (`Delivery::attempt`) on top of the `redelivered` flag, so the
-    /// redelivery case checks both.
+    /// redelivery case checks both. A batch is spread over every publishing channel unless the
+    /// URL names an `outbox_batch_channels`: the spread is where a batch's keys are assigned to
+    /// channels, so the suite's batch cases judge that assignment; the default, one channel per
+    /// batch, is the spread's one-channel case (and `tests/batch.rs` runs it).
     ///
     /// # Errors
     /// As [`AmqpConfig::from_url`] and [`new`](Self::new).
@@ -68,6 +71,10 @@ impl AmqpBrokerHarness {
         let mut config = AmqpConfig::from_url(url)?;
         if !url.contains("outbox_queue_type=") {
             config = config.with_queue_type(QueueType::Quorum);
+        }
+        if !url.contains("outbox_batch_channels=") {
+            let all = config.publish_channels();
+            config = config.with_batch_channels(all)?;
         }
         Self::new(config)
     }

@@ -4,7 +4,8 @@
 //!
 //! The server is `OUTBOX_AMQP_URL` (default the local one). The groups' queues are quorum queues
 //! unless that URL names an `outbox_queue_type`; add `?outbox_queue_type=classic` to judge
-//! classic queues.
+//! classic queues. A batch is spread over every publishing channel unless the URL names an
+//! `outbox_batch_channels` (see `AmqpBrokerHarness::from_url`).
 
 use outbox_broker_amqp::conformance::AmqpBrokerHarness;
 use outbox_conformance_tests::{Combined, MemoryStoreHarness, amqp_url, require_service, service_addr};

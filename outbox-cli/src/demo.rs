@@ -719,6 +719,15 @@ async fn story<I: Inbox, H: Handler<I>>(
     let mut subscription = broker.subscribe(&route.destination, &route.ledger).await?;
     let (a, b) = (relay_a.clone(), relay_b.clone());
     let task_a = tokio::spawn(async move { a.run().await });
+    // Relay B starts once A has stalled on a sent event: started together, B could claim every
+    // batch first and the story (a stall, a re-claim, a fenced completion) would not happen.
+    // Bounded: after the stall's own limit B starts anyway (the verdict still judges the rows).
+    if args.stalls > 0 {
+        let deadline = Instant::now() + stalling.limit;
+        while stalling.stalled.load(Ordering::Relaxed) == 0 && !task_a.is_finished() && Instant::now() < deadline {
+            tokio::time::sleep(stalling.poll).await;
+        }
+    }
     let task_b = tokio::spawn(async move { b.run().await });
 
     // The consumer applies deliveries until it has handled as many as the broker holds; that

@@ -93,6 +93,19 @@ fn default_demo_passes_and_leaves_the_current_directory_empty() {
     let run = demo(cwd.path(), &["--events", "300", "--quiet"]);
     run.assert_passed();
     assert!(run.stdout.contains("outbox demo — SQLite + the in-process broker"), "{}", run.describe());
+    // The story happened: relay A stalled, relay B offered the rows again, A's completion was
+    // fenced, and no row was published by a stale token (the figures line, which the demo reads
+    // from the rows and the broker).
+    let figure = |name: &str| -> u64 {
+        run.word_after(name).parse().unwrap_or_else(|e| panic!("{name} {e}\n{}", run.describe()))
+    };
+    assert!(figure("duplicates_offered=") > 0, "no duplicates offered: the stall did not happen\n{}", run.describe());
+    assert_eq!(figure("stale_published="), 0, "{}", run.describe());
+    assert!(
+        figure("fenced               ") > 0,
+        "nothing fenced: relay A's late completion was not rejected\n{}",
+        run.describe()
+    );
     let left: Vec<_> =
         std::fs::read_dir(cwd.path()).expect("read the directory").map(|e| e.map(|e| e.file_name())).collect();
     assert!(left.is_empty(), "the demo wrote into the current directory: {left:?}\n{}", run.describe());

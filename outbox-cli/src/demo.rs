@@ -1006,7 +1006,8 @@ impl Report {
         println!(
             "  figures              committed={committed} lost={missing} duplicate_effects={doubled} ghosts={ghosts} \
              offers={offers} duplicates_offered={duplicates} parked={parked} stale_published={stale_rows} \
-             markers={} ms={}",
+             fenced={} markers={} ms={}",
+            self.fenced,
             self.markers,
             elapsed.as_millis()
         );

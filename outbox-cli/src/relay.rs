@@ -32,7 +32,7 @@ pub(crate) struct RelayArgs {
     /// Batches between their claim and their recorded outcomes at once: with 2, the next batch
     /// is claimed while this one publishes and this one completes while the next publishes; 1
     /// runs claim, publish and complete one after another. Deeper helps a broker bound by
-    /// confirm latency (RabbitMQ: 4) and costs a relay whose store is its limit (README). Keep
+    /// confirm latency (RabbitMQ: 4) and may cost a relay whose store is its limit (README). Keep
     /// depth × (publish time of a batch) well under the lease.
     #[arg(long, allow_negative_numbers = true, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pipeline_depth: u32,

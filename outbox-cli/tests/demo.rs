@@ -33,6 +33,27 @@ impl Run {
         }
     }
 
+    /// The story happened: relay A stalled, relay B offered its rows again, A's late completion
+    /// was fenced, and no row was published by a stale token (the figures line: offers counted
+    /// on the broker, rows read back from the store, fenced calls from the relays).
+    fn assert_story(&self) {
+        let figure = |key: &str| -> u64 {
+            let at = format!(" {key}=");
+            self.word_after(&at).parse().unwrap_or_else(|e| panic!("{key}: {e}\n{}", self.describe()))
+        };
+        assert!(
+            figure("duplicates_offered") > 0,
+            "no duplicates offered: the stall did not happen\n{}",
+            self.describe()
+        );
+        assert!(
+            figure("fenced") > 0,
+            "nothing fenced: relay A's late completion was not rejected\n{}",
+            self.describe()
+        );
+        assert_eq!(figure("stale_published"), 0, "{}", self.describe());
+    }
+
     /// The word after `marker` in the output (a schema, a destination, a path).
     fn word_after(&self, marker: &str) -> String {
         let at = self.stdout.find(marker).unwrap_or_else(|| panic!("no {marker:?} in:\n{}", self.describe()));
@@ -93,19 +114,7 @@ fn default_demo_passes_and_leaves_the_current_directory_empty() {
     let run = demo(cwd.path(), &["--events", "300", "--quiet"]);
     run.assert_passed();
     assert!(run.stdout.contains("outbox demo — SQLite + the in-process broker"), "{}", run.describe());
-    // The story happened: relay A stalled, relay B offered the rows again, A's completion was
-    // fenced, and no row was published by a stale token (the figures line, which the demo reads
-    // from the rows and the broker).
-    let figure = |name: &str| -> u64 {
-        run.word_after(name).parse().unwrap_or_else(|e| panic!("{name} {e}\n{}", run.describe()))
-    };
-    assert!(figure("duplicates_offered=") > 0, "no duplicates offered: the stall did not happen\n{}", run.describe());
-    assert_eq!(figure("stale_published="), 0, "{}", run.describe());
-    assert!(
-        figure("fenced               ") > 0,
-        "nothing fenced: relay A's late completion was not rejected\n{}",
-        run.describe()
-    );
+    run.assert_story();
     let left: Vec<_> =
         std::fs::read_dir(cwd.path()).expect("read the directory").map(|e| e.map(|e| e.file_name())).collect();
     assert!(left.is_empty(), "the demo wrote into the current directory: {left:?}\n{}", run.describe());
@@ -125,6 +134,7 @@ fn postgres_and_redis_demo_passes_and_removes_its_schema_and_stream() {
     let cwd = tempfile::tempdir().expect("a temporary directory");
     let run = demo(cwd.path(), &["--store", &pg_url, "--broker", &redis_url, "--events", "300", "--quiet"]);
     run.assert_passed();
+    run.assert_story();
     assert!(run.stdout.contains("outbox demo — PostgreSQL + Redis Streams"), "{}", run.describe());
     let schema = run.word_after("dropped schema ");
     assert!(schema.starts_with("outbox_demo_"), "{}", run.describe());

@@ -463,6 +463,23 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "consumer_batches_keep_key_order_and_apply_once",
+            class: "Consumer::drain (max_per_commit)",
+            property: "deliveries committed in batches of up to four: one key's events take effect in receive order, \
+                       two copies of an event apply once, and a full drain leaves nothing unacknowledged",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "consumer_batch_failure_rolls_back_and_each_is_handled_alone",
+            class: "Consumer::process_batch",
+            property: "a handler error inside a batch rolls the whole batch back and acknowledges none of it; each \
+                       delivery is then handled alone: the others apply once, the failing one comes back and is \
+                       dead-lettered after its attempts",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "foreign_message_is_handed_out_not_an_error",
             class: "Subscription::receive",
             property: "messages that are not outbox events (no or bad id, unknown format, bad header name, \
@@ -751,6 +768,12 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "inbox_commit_failure_is_not_acknowledged" => inbox_commit_failure(harness, engines).await,
             "consumer_concurrent_keeps_key_order_and_applies_once" => {
                 crate::consumer_cases::consumer_concurrent_keeps_key_order_and_applies_once(harness).await
+            }
+            "consumer_batches_keep_key_order_and_apply_once" => {
+                crate::consumer_cases::consumer_batches_keep_key_order_and_apply_once(harness).await
+            }
+            "consumer_batch_failure_rolls_back_and_each_is_handled_alone" => {
+                consumer_batch_failure(harness, engines).await
             }
             "store_claim_skips_live_leases" => store_claim_skips_live_leases(harness).await,
             "store_token_fences_same_owner" => store_token_fences_same_owner(harness).await,
@@ -2048,6 +2071,75 @@ async fn inbox_commit_failure<H: Harness>(h: &H, engines: &Engines) -> outbox_co
         "no marker after the redelivery applied the effect"
     );
     Ok(CaseResult::Passed(format!("commit failed, not acknowledged; redelivery: {handled:?}")))
+}
+
+/// A batch of four (two credits, an unparseable payload, a credit) through
+/// [`Engines::process_batch`]; then, as after a restart, a fresh consumer drains what came
+/// back. Every credit applies once, the failing delivery is dead-lettered (never lost), and
+/// nothing is left on the broker.
+async fn consumer_batch_failure<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "consumer_batch_failure_rolls_back_and_each_is_handled_alone";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let tag = crate::world::unique_tag();
+    let event = |i: usize, payload: &str| -> outbox_core::Result<Event> {
+        Ok(Event::new(EventId::new(format!("{CASE}.{tag}.e{i}"))?, fx.destination.clone(), payload.to_string()))
+    };
+    let events =
+        vec![event(0, "credit:a:1")?, event(1, "credit:b:2")?, event(2, "not a credit")?, event(3, "credit:c:4")?];
+    for e in &events {
+        fx.broker.publish(e).await?;
+    }
+    let config = || outbox_consumer_inbox::ConsumerConfig::new(CONSUMER).with_max_attempts(2);
+    let consumer =
+        crate::world::suite_consumer_with((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive, config());
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let mut batch = Vec::new();
+    while batch.len() < events.len() {
+        let Some(d) = receive_within(sub.as_mut(), wait).await? else { break };
+        batch.push(d);
+    }
+    ensure!(CASE, batch.len() == events.len(), "{} of {} events delivered", batch.len(), events.len());
+    let handled: Vec<Handled> = engines.process_batch(&consumer, batch).await.into_iter().collect::<Result<_, _>>()?;
+    drop(sub); // whatever was left unacknowledged comes back to the next member
+    let broker = (fx.restart_broker)();
+    let fresh =
+        crate::world::suite_consumer_with((fx.restart_inbox)(), fx.effects.clone(), EffectKind::Additive, config());
+    let mut sub = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let mut again = Vec::new();
+    if let Some(d) = receive_within(sub.as_mut(), wait).await? {
+        again.push(fresh.process(d).await?);
+        let (more, _) = drain_bounded(&fresh, sub.as_mut(), wait, MAX_DELIVERIES).await?;
+        again.extend(more);
+    }
+    drop(sub);
+
+    let rows = fx.effects.rows().await?;
+    for (i, e) in events.iter().enumerate() {
+        let n = rows.iter().filter(|r| r.event_id == e.id).count();
+        let want = usize::from(i != 2);
+        ensure!(
+            CASE,
+            n == want,
+            "{} has {n} effects, expected {want} (batch: {handled:?}; afterwards: {again:?}){}",
+            e.id,
+            if n == 0 && want == 1 { ": acknowledged although its batch rolled back, its effect is lost" } else { "" }
+        );
+    }
+    let marked: Vec<EventId> = fx.inbox.markers(CONSUMER).await?.into_iter().map(|m| m.event_id).collect();
+    let ours: Vec<&EventId> = events.iter().map(|e| &e.id).filter(|id| marked.contains(id)).collect();
+    ensure!(CASE, ours.len() == 3, "markers for {ours:?}, expected the three credits");
+    let dead = fx.inbox.dead_letters(CONSUMER).await?;
+    ensure!(
+        CASE,
+        dead.iter().any(|d| d.event.id == events[2].id && d.reason == DeadLetterReason::HandlerFailed),
+        "the failing delivery was not dead-lettered after its attempts (batch: {handled:?}; afterwards: {again:?})"
+    );
+    let broker = (fx.restart_broker)();
+    let mut sub = broker.subscribe(&fx.destination, &suite_group()).await?;
+    if let Some(d) = next_bounded(sub.as_mut(), wait).await? {
+        return Ok(CaseResult::fail(CASE, "", format!("{} came back after a full drain", d.event.id)));
+    }
+    Ok(CaseResult::Passed(format!("batch: {handled:?}; afterwards: {again:?}")))
 }
 
 async fn broker_unbound_destination<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {

@@ -69,10 +69,19 @@ macro_rules! ensure {
 /// twice: one effect per event, one marker per event, each key's effects committed in publish
 /// order, and nothing left unacknowledged.
 pub(crate) async fn consumer_concurrent_keeps_key_order_and_applies_once<H: Harness>(h: &H) -> Result<CaseResult> {
-    const CASE: &str = "consumer_concurrent_keeps_key_order_and_applies_once";
+    concurrent(h, "consumer_concurrent_keeps_key_order_and_applies_once", 1).await
+}
+
+/// The same with batch commit ([`ConsumerConfig::with_max_per_commit`] 4): deliveries ready at
+/// once share a transaction, and the promises are the same.
+pub(crate) async fn consumer_batches_keep_key_order_and_apply_once<H: Harness>(h: &H) -> Result<CaseResult> {
+    concurrent(h, "consumer_batches_keep_key_order_and_apply_once", 4).await
+}
+
+async fn concurrent<H: Harness>(h: &H, case: &'static str, per_commit: usize) -> Result<CaseResult> {
     const KEYS: usize = 3;
     const PER_KEY: usize = 10;
-    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    let fx = h.fixture(case, ManualClock::default()).await?;
     fx.broker.declare(&fx.destination, &[suite_group()]).await?;
     let wait = h.capabilities().delivery_wait.max(Duration::from_millis(50));
     let tag = crate::world::unique_tag();
@@ -80,7 +89,7 @@ pub(crate) async fn consumer_concurrent_keeps_key_order_and_applies_once<H: Harn
     let mut events = Vec::new();
     for i in 0..PER_KEY {
         for k in 0..KEYS {
-            let id = EventId::new(format!("{CASE}.{tag}.k{k}.e{i}"))?;
+            let id = EventId::new(format!("{case}.{tag}.k{k}.e{i}"))?;
             let payload = format!("credit:acct-{tag}-{k}:{i}");
             events.push(Event::new(id, fx.destination.clone(), payload).with_key(format!("{tag}-k{k}")));
         }
@@ -93,7 +102,7 @@ pub(crate) async fn consumer_concurrent_keeps_key_order_and_applies_once<H: Harn
     let consumer = Consumer::new(
         (fx.restart_inbox)(),
         Staggered { effects: fx.effects.clone(), per_key: PER_KEY },
-        ConsumerConfig::new(CONSUMER).with_max_attempts(1000).with_max_in_flight(8),
+        ConsumerConfig::new(CONSUMER).with_max_attempts(1000).with_max_in_flight(8).with_max_per_commit(per_commit),
     );
     let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
     // Drain until every copy was handled: a fresh member may first have to join its group, so a
@@ -104,13 +113,13 @@ pub(crate) async fn consumer_concurrent_keeps_key_order_and_applies_once<H: Harn
         let limit = wait * 10 + Duration::from_secs(60);
         let round = tokio::time::timeout(limit, consumer.drain(sub.as_mut(), wait)).await;
         let Ok(round) = round else {
-            return Ok(CaseResult::fail(CASE, "", format!("Consumer::drain did not end within {limit:?}")));
+            return Ok(CaseResult::fail(case, "", format!("Consumer::drain did not end within {limit:?}")));
         };
         handled.extend(round?);
-        ensure!(CASE, handled.len() <= MAX_DELIVERIES, "still receiving after {} deliveries", handled.len());
+        ensure!(case, handled.len() <= MAX_DELIVERIES, "still receiving after {} deliveries", handled.len());
     }
     ensure!(
-        CASE,
+        case,
         handled.len() >= 2 * events.len(),
         "{} of {} copies handled before the deadline: {handled:?}",
         handled.len(),
@@ -124,12 +133,12 @@ pub(crate) async fn consumer_concurrent_keeps_key_order_and_applies_once<H: Harn
         *per_event.entry(&r.event_id).or_default() += 1;
     }
     let twice: Vec<_> = per_event.iter().filter(|(_, n)| **n > 1).collect();
-    ensure!(CASE, twice.is_empty(), "events applied more than once: {twice:?}");
+    ensure!(case, twice.is_empty(), "events applied more than once: {twice:?}");
     let missing: Vec<_> = ids.iter().filter(|id| !per_event.contains_key(*id)).collect();
-    ensure!(CASE, missing.is_empty(), "events never applied: {missing:?}");
+    ensure!(case, missing.is_empty(), "events never applied: {missing:?}");
     let markers: BTreeSet<EventId> =
         fx.inbox.markers(CONSUMER).await?.into_iter().map(|m| m.event_id).filter(|id| ids.contains(id)).collect();
-    ensure!(CASE, markers.len() == events.len(), "{} markers for {} distinct events", markers.len(), events.len());
+    ensure!(case, markers.len() == events.len(), "{} markers for {} distinct events", markers.len(), events.len());
     // Per key (subject), the effects in commit order must be the key's events in publish order.
     let mut by_key: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
     for r in &effects {
@@ -137,7 +146,7 @@ pub(crate) async fn consumer_concurrent_keeps_key_order_and_applies_once<H: Harn
     }
     let in_order: Vec<i64> = (0..PER_KEY as i64).collect();
     for (key, values) in &by_key {
-        ensure!(CASE, *values == in_order, "key {key}: effects committed in order {values:?}, published {in_order:?}");
+        ensure!(case, *values == in_order, "key {key}: effects committed in order {values:?}, published {in_order:?}");
     }
     // Nothing unacknowledged: a new member of the group receives nothing.
     drop(sub);
@@ -145,7 +154,7 @@ pub(crate) async fn consumer_concurrent_keeps_key_order_and_applies_once<H: Harn
     let mut again = broker.subscribe(&fx.destination, &suite_group()).await?;
     if let Some(d) = next_bounded(again.as_mut(), wait * 3).await? {
         return Ok(CaseResult::fail(
-            CASE,
+            case,
             "",
             format!("{} came back after a full drain: a delivery was left unacknowledged", d.event.id),
         ));

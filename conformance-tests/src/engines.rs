@@ -62,6 +62,8 @@ pub(crate) enum ConsumerRuntime {
     AckForeignThenRecord,
     /// Wrong on purpose: records a foreign message on every delivery (no inbox marker).
     RecordsForeignEachDelivery,
+    /// Wrong on purpose: a batch that acknowledges what its failure rolled back.
+    BatchAcksRolledBack,
 }
 
 /// The relay and consumer runtime the cases run. [`Engines::default`] is the reference pair.
@@ -138,7 +140,23 @@ impl Engines {
             ConsumerRuntime::AckThenCommit => crate::mutants::ack_then_commit(consumer, delivery).await,
             ConsumerRuntime::DropsForeign
             | ConsumerRuntime::AckForeignThenRecord
-            | ConsumerRuntime::RecordsForeignEachDelivery => consumer.process(delivery).await,
+            | ConsumerRuntime::RecordsForeignEachDelivery
+            | ConsumerRuntime::BatchAcksRolledBack => consumer.process(delivery).await,
+        }
+    }
+
+    /// Handle several deliveries with one commit, as [`Consumer::process_batch`] does.
+    ///
+    /// # Errors
+    /// Per delivery, as [`Consumer::process_batch`].
+    pub async fn process_batch<I: Inbox, H: Handler<I>>(
+        &self,
+        consumer: &Consumer<I, H>,
+        deliveries: Vec<Delivery>,
+    ) -> Vec<Result<Handled>> {
+        match self.consumer {
+            ConsumerRuntime::BatchAcksRolledBack => crate::mutants::batch_acks_rolled_back(consumer, deliveries).await,
+            _ => consumer.process_batch(deliveries).await,
         }
     }
 

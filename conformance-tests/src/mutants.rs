@@ -111,11 +111,14 @@ pub enum Mutant {
     AckForeignBeforeRecord,
     /// A consumer runtime that records a foreign message on every delivery (no inbox marker).
     RecordsForeignEachDelivery,
+    /// A batch commit that acknowledges the deliveries before a failing one although the
+    /// failure rolled their effects back.
+    BatchAcksRolledBack,
 }
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 30] = [
+    pub const ALL: [Mutant; 31] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -146,6 +149,7 @@ impl Mutant {
         Mutant::DropsForeign,
         Mutant::AckForeignBeforeRecord,
         Mutant::RecordsForeignEachDelivery,
+        Mutant::BatchAcksRolledBack,
     ];
 
     /// The relay and consumer runtime to run the suite with: wrong ones for the relay and
@@ -176,6 +180,8 @@ impl Mutant {
                 .with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckForeignThenRecord),
             Self::RecordsForeignEachDelivery => Engines::default()
                 .with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::RecordsForeignEachDelivery),
+            Self::BatchAcksRolledBack => Engines::default()
+                .with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::BatchAcksRolledBack),
             _ => Engines::default(),
         }
     }
@@ -222,6 +228,9 @@ impl fmt::Display for Mutant {
             Self::DropsForeign => "foreign messages acknowledged without a dead letter",
             Self::AckForeignBeforeRecord => "foreign messages acknowledged before their dead letter commits",
             Self::RecordsForeignEachDelivery => "foreign messages recorded again on every redelivery",
+            Self::BatchAcksRolledBack => {
+                "batch commit that acknowledges the deliveries before a failing one, their effects rolled back"
+            }
         })
     }
 }
@@ -1131,6 +1140,43 @@ pub(crate) async fn ack_foreign_then_record<I: Inbox, H: Handler<I>>(
         Ok(()) => Handled::Malformed { problem },
         Err(e) => Handled::Retry { attempts: 0, error: e.to_string() },
     })
+}
+
+/// [`Mutant::BatchAcksRolledBack`]: the batch's deliveries guarded and applied in one
+/// transaction; when one fails, the transaction is dropped (rolled back) but the deliveries
+/// before it are acknowledged as applied ("they went through"), and the rest are handled alone.
+pub(crate) async fn batch_acks_rolled_back<I: Inbox, H: Handler<I>>(
+    consumer: &Consumer<I, H>,
+    deliveries: Vec<Delivery>,
+) -> Vec<Result<Handled>> {
+    let (inbox, name) = (consumer.inbox(), consumer.config().name.clone());
+    let mut done = 0;
+    let attempt = async {
+        let mut tx = inbox.begin().await?;
+        for d in &deliveries {
+            if inbox.mark(&mut tx, &name, &d.event.id, &d.event.fingerprint()).await? == MarkOutcome::New {
+                consumer.handler().apply(&mut tx, &d.event).await?;
+            }
+            done += 1;
+        }
+        inbox.commit(tx).await
+    }
+    .await;
+    let mut out = Vec::new();
+    let mut rest = deliveries.into_iter();
+    if attempt.is_ok() {
+        for d in rest {
+            out.push(d.ack().await.map(|()| Handled::Applied));
+        }
+        return out;
+    }
+    for d in rest.by_ref().take(done) {
+        out.push(d.ack().await.map(|()| Handled::Applied));
+    }
+    for d in rest {
+        out.push(consumer.process(d).await);
+    }
+    out
 }
 
 pub(crate) async fn ack_then_commit<I: Inbox, H: Handler<I>>(

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use outbox_core::{Error, Inbox, Received, Result, Shutdown, Subscription};
+use outbox_core::{Delivery, Error, Inbox, Received, Result, Shutdown, Subscription};
 use tracing::{debug, warn};
 
 use crate::effect::Handler;
@@ -62,30 +62,54 @@ struct Finished {
     result: Result<Handled>,
 }
 
-type Work<'a> = Pin<Box<dyn Future<Output = Finished> + Send + 'a>>;
+/// What one running future settles: one delivery, or a batch committed together.
+type Work<'a> = Pin<Box<dyn Future<Output = Vec<Finished>> + Send + 'a>>;
 type Recv<'s> = Pin<Box<dyn Future<Output = (&'s mut (dyn Subscription + 's), Result<Option<Received>>)> + Send + 's>>;
 
-/// Deliveries held by this member: running, or waiting for the deliveries before them in their
-/// lanes.
+/// Deliveries held by this member: running, ready for the next batch transaction, or waiting
+/// for the deliveries before them in their lanes.
 ///
 /// Each lane is a queue of receive numbers; a delivery runs when it is at the front of every
 /// lane it is in. The oldest waiting delivery is always at the front of all of its lanes (every
 /// one before it in a lane is older and already gone or running), so lanes never deadlock.
+///
+/// With batch commit ([`ConsumerConfig::max_per_commit`](crate::ConsumerConfig::max_per_commit) above 1)
+/// a delivery at the front of its lanes is *ready*: it joins the next batch, which starts as
+/// soon as fewer than `max_in_flight / max_per_commit` batch transactions run. Deliveries in one
+/// batch are all at the front of their lanes, so no two share a key or an event id.
 struct Lanes<'a, I: Inbox, H> {
     consumer: &'a Consumer<I, H>,
     running: FuturesUnordered<Work<'a>>,
+    /// Deliveries inside `running`.
+    running_deliveries: usize,
     queues: HashMap<Lane, VecDeque<u64>>,
     waiting: BTreeMap<u64, (Vec<Lane>, Received)>,
+    ready: VecDeque<(u64, Vec<Lane>, Delivery)>,
+    /// Deliveries per batch transaction (1: no batches).
+    per_commit: usize,
+    /// Group transactions open at once.
+    transactions: usize,
 }
 
 impl<'a, I: Inbox, H: Handler<I>> Lanes<'a, I, H> {
     fn new(consumer: &'a Consumer<I, H>) -> Self {
-        Self { consumer, running: FuturesUnordered::new(), queues: HashMap::new(), waiting: BTreeMap::new() }
+        let config = consumer.config();
+        let per_commit = if config.batches(consumer.effect()) { config.max_per_commit } else { 1 };
+        Self {
+            consumer,
+            running: FuturesUnordered::new(),
+            running_deliveries: 0,
+            queues: HashMap::new(),
+            waiting: BTreeMap::new(),
+            ready: VecDeque::new(),
+            per_commit,
+            transactions: (config.max_in_flight / per_commit).max(1),
+        }
     }
 
     /// Deliveries received and not yet settled.
     fn held(&self) -> usize {
-        self.running.len() + self.waiting.len()
+        self.running_deliveries + self.waiting.len() + self.ready.len()
     }
 
     fn first_in_all(&self, seq: u64, lanes: &[Lane]) -> bool {
@@ -105,11 +129,39 @@ impl<'a, I: Inbox, H: Handler<I>> Lanes<'a, I, H> {
     }
 
     fn start(&mut self, seq: u64, lanes: Vec<Lane>, received: Received) {
-        let consumer = self.consumer;
-        self.running.push(Box::pin(async move {
-            let result = consumer.handle(received).await;
-            Finished { seq, lanes, result }
-        }));
+        match received {
+            Received::Event(d) if self.per_commit > 1 => self.ready.push_back((seq, lanes, d)),
+            received => {
+                let consumer = self.consumer;
+                self.running_deliveries += 1;
+                self.running.push(Box::pin(async move {
+                    let result = consumer.handle(received).await;
+                    vec![Finished { seq, lanes, result }]
+                }));
+            }
+        }
+    }
+
+    /// Start batch transactions for the ready deliveries, as many as are allowed.
+    fn launch(&mut self) {
+        while !self.ready.is_empty() && self.running.len() < self.transactions {
+            let n = self.ready.len().min(self.per_commit);
+            let batch: Vec<_> = self.ready.drain(..n).collect();
+            let consumer = self.consumer;
+            self.running_deliveries += n;
+            self.running.push(Box::pin(async move {
+                let (slots, deliveries): (Vec<_>, Vec<_>) =
+                    batch.into_iter().map(|(seq, lanes, d)| ((seq, lanes), d)).unzip();
+                let results = consumer.process_batch(deliveries).await;
+                slots.into_iter().zip(results).map(|((seq, lanes), result)| Finished { seq, lanes, result }).collect()
+            }));
+        }
+    }
+
+    /// Running work was dropped (the grace ran out).
+    fn drop_running(&mut self) {
+        self.running = FuturesUnordered::new();
+        self.running_deliveries = 0;
     }
 
     /// Delivery `seq` settled: leave its lanes and start what that unblocked, if allowed.
@@ -161,7 +213,7 @@ pub(crate) enum Until<'a> {
 }
 
 enum Step<'s> {
-    Done(Finished),
+    Done(Vec<Finished>),
     Received(&'s mut (dyn Subscription + 's), Result<Option<Received>>),
     GraceOver,
 }
@@ -203,6 +255,9 @@ pub(crate) async fn pump<I: Inbox, H: Handler<I>>(
                 debug!(target: "outbox.consumer", consumer = name, held = lanes.held(), "stopping: letting running deliveries finish");
             }
         }
+        if !stopping {
+            lanes.launch();
+        }
         if recv.is_none()
             && !stopping
             && lanes.held() < max
@@ -232,19 +287,22 @@ pub(crate) async fn pump<I: Inbox, H: Handler<I>>(
         })
         .await;
         match step {
-            Step::Done(Finished { seq: n, lanes: its_lanes, result }) => {
+            Step::Done(finished) => {
                 settled_during_receive = true;
-                lanes.settled(n, &its_lanes, !stopping);
-                match result {
-                    Ok(h) if keep => out.push((n, h)),
-                    Ok(_) => {}
-                    Err(e) if keep => {
-                        warn!(target: "outbox.consumer", consumer = name, error = %e, "acknowledgement failed; stopping the drain");
-                        stopping = true;
-                        first_error.get_or_insert(e);
-                    }
-                    Err(e) => {
-                        warn!(target: "outbox.consumer", consumer = name, error = %e, "acknowledgement failed; the broker will redeliver");
+                lanes.running_deliveries -= finished.len();
+                for Finished { seq: n, lanes: its_lanes, result } in finished {
+                    lanes.settled(n, &its_lanes, !stopping);
+                    match result {
+                        Ok(h) if keep => out.push((n, h)),
+                        Ok(_) => {}
+                        Err(e) if keep => {
+                            warn!(target: "outbox.consumer", consumer = name, error = %e, "acknowledgement failed; stopping the drain");
+                            stopping = true;
+                            first_error.get_or_insert(e);
+                        }
+                        Err(e) => {
+                            warn!(target: "outbox.consumer", consumer = name, error = %e, "acknowledgement failed; the broker will redeliver");
+                        }
                     }
                 }
             }
@@ -279,14 +337,14 @@ pub(crate) async fn pump<I: Inbox, H: Handler<I>>(
                 // Dropping a running delivery is a crash of it: its transaction rolls back and it
                 // is never acknowledged. A receive in progress is still awaited (at most
                 // `receive_wait`), never cancelled.
-                lanes.running = FuturesUnordered::new();
+                lanes.drop_running();
                 grace = None;
                 grace_over = true;
             }
         }
     }
-    if !lanes.waiting.is_empty() {
-        debug!(target: "outbox.consumer", consumer = name, waiting = lanes.waiting.len(), "not started; left unacknowledged for redelivery");
+    if !lanes.waiting.is_empty() || !lanes.ready.is_empty() {
+        debug!(target: "outbox.consumer", consumer = name, waiting = lanes.waiting.len() + lanes.ready.len(), "not started; left unacknowledged for redelivery");
     }
     drop(lanes);
     if let Some(e) = first_error {

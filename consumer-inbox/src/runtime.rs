@@ -53,6 +53,11 @@ pub struct ConsumerConfig {
     /// How long [`Consumer::run`] lets running deliveries finish after shutdown; what is still
     /// running then is dropped unacknowledged (rolled back, redelivered). Default 10 s.
     pub shutdown_grace: Duration,
+    /// Batch commit: up to this many deliveries that are ready at once (different keys and
+    /// ids) share one transaction in [`Consumer::run`] and [`Consumer::drain`], for
+    /// [`EffectKind::Additive`] and [`EffectKind::Projection`] handlers; at least 1, default 1
+    /// (a transaction per delivery). See [`Consumer::process_batch`] for what a batch promises.
+    pub max_per_commit: usize,
 }
 
 /// Default [`ConsumerConfig::max_in_flight`]: 8.
@@ -74,7 +79,25 @@ impl ConsumerConfig {
             retention: None,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             shutdown_grace: Duration::from_secs(10),
+            max_per_commit: 1,
         }
+    }
+
+    /// Set [`max_per_commit`](Self::max_per_commit); 0 is taken as 1. Above 1, at most
+    /// `max_in_flight / max_per_commit` (at least one) batch transactions are open at once, and a
+    /// batch takes every ready delivery up to `max_per_commit`: while those transactions run,
+    /// deliveries received meanwhile gather into the next batch.
+    #[must_use]
+    pub fn with_max_per_commit(mut self, n: usize) -> Self {
+        self.max_per_commit = n.max(1);
+        self
+    }
+
+    /// Whether deliveries of a handler with this effect may share a transaction: only where the
+    /// guard lives in the effect's transaction alone (a marker or a version), never for a
+    /// notification (its ledger commits before the external call) or an unguarded effect.
+    pub(crate) fn batches(&self, effect: EffectKind) -> bool {
+        self.max_per_commit > 1 && matches!(effect, EffectKind::Additive | EffectKind::Projection)
     }
 
     /// Set [`max_in_flight`](Self::max_in_flight); 0 is taken as 1. With 1 the consumer handles
@@ -207,9 +230,19 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
         &self.inner.inbox
     }
 
+    /// The handler.
+    pub fn handler(&self) -> &H {
+        &self.inner.handler
+    }
+
     /// The configuration.
     pub fn config(&self) -> &ConsumerConfig {
         &self.inner.config
+    }
+
+    /// The handler's effect.
+    pub(crate) fn effect(&self) -> EffectKind {
+        self.inner.handler.effect()
     }
 
     /// Start handling a delivery step by step (see [`InFlight`]).
@@ -242,6 +275,131 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
             let _ = f.commit().await;
         }
         f.acknowledge().await
+    }
+
+    /// Handle several deliveries with one transaction: every guard and effect written in it,
+    /// one commit, then every acknowledgement. What [`run`](Self::run) and
+    /// [`drain`](Self::drain) do with deliveries that are ready together when
+    /// [`ConsumerConfig::max_per_commit`] is above 1; one commit for many deliveries is what lets a
+    /// consumer with an inbox keep up with a loop that writes no marker.
+    ///
+    /// # Behavior
+    /// - for an [`EffectKind::Additive`] or [`EffectKind::Projection`] handler, the deliveries
+    ///   are guarded and applied in the given order in one transaction (two copies of one event
+    ///   in a batch: the second is a duplicate), and all of them are acknowledged only after it
+    ///   committed: [`Handled::Applied`], [`Handled::Duplicate`] or [`Handled::Stale`];
+    /// - when anything else happens in the batch (a handler error, a copy with different
+    ///   content, a store error, a failed commit), the transaction is rolled back, nothing of
+    ///   the batch is durable or acknowledged, and each delivery is then handled alone, one
+    ///   after the other in the given order, as [`process`](Self::process) handles it: one
+    ///   event's failure never undoes another's effect, and failures are counted per event, by
+    ///   the lone attempt;
+    /// - a notification or idempotent handler, or a single delivery: each handled alone;
+    /// - one result per delivery, in the given order.
+    ///
+    /// # Errors
+    /// Per delivery, only an acknowledgement error, as [`process`](Self::process).
+    pub async fn process_batch(&self, deliveries: Vec<Delivery>) -> Vec<Result<Handled>> {
+        let effect = self.inner.handler.effect();
+        if deliveries.len() > 1 && matches!(effect, EffectKind::Additive | EffectKind::Projection) {
+            let started = Instant::now();
+            let events: Vec<&Event> = deliveries.iter().map(|d| &d.event).collect();
+            let name = self.inner.config.name.as_str();
+            // One span per delivery, from its guard to its acknowledgement, as alone.
+            let spans: Vec<tracing::Span> =
+                events.iter().map(|e| outbox_core::telemetry::handle_span(name, e)).collect();
+            match self.batch_commit(&events, &spans, effect).await {
+                Ok(Some(verdicts)) => {
+                    let mut out = Vec::with_capacity(deliveries.len());
+                    for ((d, verdict), span) in deliveries.into_iter().zip(verdicts).zip(spans) {
+                        let outcome = d.ack().instrument(span).await.map(|()| verdict);
+                        self.inner.metrics.record(&outcome, started.elapsed());
+                        out.push(outcome);
+                    }
+                    return out;
+                }
+                Ok(None) => {
+                    debug!(target: "outbox.consumer", consumer = name, deliveries = events.len(), "a copy with different content in the batch: rolled back, handling each alone");
+                }
+                Err(e) => {
+                    debug!(target: "outbox.consumer", consumer = name, deliveries = events.len(), error = %e, "batch transaction failed: rolled back, handling each alone");
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(deliveries.len());
+        for d in deliveries {
+            out.push(self.process(d).await);
+        }
+        out
+    }
+
+    /// The batch's one transaction: `Ok(None)` when a copy conflicts (each delivery is then
+    /// handled alone, where the conflict is dead-lettered), an error when anything failed.
+    /// Dropping the transaction on either path rolls it back.
+    async fn batch_commit(
+        &self,
+        events: &[&Event],
+        spans: &[tracing::Span],
+        effect: EffectKind,
+    ) -> Result<Option<Vec<Handled>>> {
+        let (inbox, handler) = (&self.inner.inbox, &self.inner.handler);
+        let name = self.inner.config.name.as_str();
+        let mut tx: Option<I::Tx> = None;
+        let mut verdicts = Vec::with_capacity(events.len());
+        for (event, span) in events.iter().zip(spans) {
+            let verdict = async {
+                let skip = match effect {
+                    EffectKind::Additive => {
+                        let fingerprint = event.fingerprint();
+                        let outcome = match tx.as_mut() {
+                            Some(t) => inbox.mark(t, name, &event.id, &fingerprint).await?,
+                            None => {
+                                let (t, outcome) = inbox.begin_marked(name, &event.id, &fingerprint).await?;
+                                tx = Some(t);
+                                outcome
+                            }
+                        };
+                        match outcome {
+                            MarkOutcome::New => None,
+                            MarkOutcome::Duplicate => Some(Handled::Duplicate),
+                            MarkOutcome::Conflict { .. } => return Ok(None),
+                        }
+                    }
+                    _ => {
+                        let (subject, version) = handler.version(event)?;
+                        let t = match tx.as_mut() {
+                            Some(t) => t,
+                            None => tx.insert(inbox.begin().await?),
+                        };
+                        match inbox.advance_version(t, name, &subject, version).await? {
+                            VersionOutcome::Stale { current } => Some(Handled::Stale { current }),
+                            VersionOutcome::Advanced { .. } => None,
+                        }
+                    }
+                };
+                if let Some(v) = skip {
+                    return Ok(Some(v));
+                }
+                // Both guards above opened the transaction; the fallback covers the impossible.
+                let Some(t) = tx.as_mut() else {
+                    return Err(Error::permanent(
+                        ErrorKind::InvalidInput,
+                        "consumer-inbox",
+                        "batch: no open transaction",
+                    ));
+                };
+                handler.apply(t, event).await?;
+                Ok::<_, Error>(Some(Handled::Applied))
+            }
+            .instrument(span.clone())
+            .await?;
+            let Some(verdict) = verdict else { return Ok(None) };
+            verdicts.push(verdict);
+        }
+        if let Some(t) = tx {
+            inbox.commit(t).await?;
+        }
+        Ok(Some(verdicts))
     }
 
     /// Record a message that is not an outbox event and acknowledge it: a

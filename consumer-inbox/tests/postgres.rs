@@ -43,7 +43,7 @@ async fn store(tag: &str) -> Option<(PgStore, String)> {
         Ok(store) => {
             let sql = format!(
                 "CREATE TABLE \"{schema}\".effects (seq BIGSERIAL PRIMARY KEY, event_id TEXT NOT NULL, \
-                 key TEXT, label TEXT NOT NULL)"
+                 key TEXT, label TEXT NOT NULL, tx BIGINT NOT NULL DEFAULT txid_current())"
             );
             sqlx::raw_sql(AssertSqlSafe(sql)).execute(store.pool()).await.expect("create the effect table");
             Some((store, schema))
@@ -171,6 +171,52 @@ async fn postgres_keeps_key_order_and_applies_copies_once_with_eight_in_flight()
         let expected: Vec<String> = (0..PER_KEY).map(|i| format!("k{k}:{i}")).collect();
         assert_eq!(order, expected, "effects of {key} in receive order");
     }
+    assert_eq!(store.inbox().markers(CONSUMER).await.unwrap().len(), first.len());
+    assert_eq!(unacked(&broker), 0);
+    drop_schema(&store, &schema).await;
+}
+
+/// Batch commit on PostgreSQL, sixteen in flight and up to eight per commit: 30 keys × 4
+/// events, every event twice. Effects that share a transaction id prove the batches formed;
+/// each event applies once, each key in receive order, one marker per event, nothing left on
+/// the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_batches_share_a_transaction_and_apply_each_once() {
+    let Some((store, schema)) = store("batch").await else { return };
+    const KEYS: usize = 30;
+    const PER_KEY: usize = 4;
+    let mut first = Vec::new();
+    for i in 0..PER_KEY {
+        first.extend((0..KEYS).map(|k| ev(&format!("k{k}-{i}"), &format!("k{k}:{i}")).with_key(format!("k{k}"))));
+    }
+    let events: Vec<Event> = first.iter().flat_map(|e| [e.clone(), e.clone()]).collect();
+    let broker = memory_broker(&events).await;
+    let config = ConsumerConfig::new(CONSUMER).with_max_in_flight(16).with_max_per_commit(8);
+    let consumer = Consumer::new(store.inbox(), Credit::new(&schema, 1), config);
+    let mut sub = broker.subscribe(&dest(), &group()).await.unwrap();
+    let handled =
+        tokio::time::timeout(BOUND * 3, consumer.drain(sub.as_mut(), IDLE)).await.expect("drain ends").unwrap();
+    let count = |want: &Handled| handled.iter().filter(|h| *h == want).count();
+    assert_eq!((count(&Handled::Applied), count(&Handled::Duplicate)), (first.len(), first.len()), "{handled:?}");
+
+    let rows = effect_rows(&store, &schema).await;
+    let mut per_event: BTreeMap<&str, usize> = BTreeMap::new();
+    for (id, _, _) in &rows {
+        *per_event.entry(id.as_str()).or_default() += 1;
+    }
+    assert_eq!(per_event.len(), first.len());
+    assert!(per_event.values().all(|n| *n == 1), "one effect row per event: {per_event:?}");
+    for k in 0..KEYS {
+        let key = format!("k{k}");
+        let order: Vec<&str> = rows.iter().filter(|r| r.1.as_deref() == Some(&key)).map(|r| r.2.as_str()).collect();
+        let expected: Vec<String> = (0..PER_KEY).map(|i| format!("k{k}:{i}")).collect();
+        assert_eq!(order, expected, "effects of {key} in receive order");
+    }
+    let sql = format!("SELECT count(*) FROM \"{schema}\".effects GROUP BY tx ORDER BY count(*) DESC");
+    let per_tx: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql)).fetch_all(store.pool()).await.expect("read tx ids");
+    assert!(per_tx[0] >= 2, "no two effects committed in one transaction: {per_tx:?}");
+    assert!(per_tx[0] <= 8, "more effects in one transaction than max_per_commit: {per_tx:?}");
+    assert!(per_tx.len() < first.len(), "{} transactions for {} effects", per_tx.len(), first.len());
     assert_eq!(store.inbox().markers(CONSUMER).await.unwrap().len(), first.len());
     assert_eq!(unacked(&broker), 0);
     drop_schema(&store, &schema).await;

@@ -49,6 +49,11 @@ pub(crate) struct BenchArgs {
     /// Deliveries in flight in P6, for the consumer and for the hand-written loop alike.
     #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     in_flight: u32,
+    /// Deliveries the P6 consumer commits in one transaction, at most
+    /// (`ConsumerConfig::max_per_commit`; 1: a transaction per delivery, as the loop does).
+    /// Above 1, P6 also measures the same consumer with 1 per commit, in the same run.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    per_commit: u32,
     /// Seed of keys, amounts and payload bytes (default: random; printed first).
     #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
@@ -146,6 +151,7 @@ pub(crate) struct Settings {
     pub(crate) keys: u64,
     pub(crate) pipeline_depth: usize,
     pub(crate) in_flight: usize,
+    pub(crate) per_commit: usize,
     /// Runs per subject (`--repeat`).
     pub(crate) repeat: usize,
     pub(crate) seed: u64,
@@ -161,13 +167,14 @@ impl Settings {
     /// The configuration every row shares, for the header and the JSON.
     fn describe(&self) -> String {
         format!(
-            "events {} | batch {} | payload {} B | keys {} | relay pipeline depth {} | P6 in flight {} | runs per subject {} | seed {}",
+            "events {} | batch {} | payload {} B | keys {} | relay pipeline depth {} | P6 in flight {} | P6 per commit {} | runs per subject {} | seed {}",
             self.events,
             self.batch,
             self.payload,
             self.keys,
             self.pipeline_depth,
             self.in_flight,
+            self.per_commit,
             self.repeat,
             self.seed
         )
@@ -200,6 +207,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
         keys: u64::from(args.keys),
         pipeline_depth: args.pipeline_depth as usize,
         in_flight: args.in_flight as usize,
+        per_commit: args.per_commit as usize,
         repeat: args.repeat as usize,
         seed,
         pg: args.pg.clone(),

@@ -232,6 +232,7 @@ pub(crate) fn json(settings: &Settings, machine: &str, outcomes: &[(Subject, Out
                 ("keys", Json::Num(settings.keys.into())),
                 ("pipeline_depth", Json::Num(settings.pipeline_depth as i128)),
                 ("in_flight", Json::Num(settings.in_flight as i128)),
+                ("per_commit", Json::Num(settings.per_commit as i128)),
                 ("repeat", Json::Num(settings.repeat as i128)),
             ]),
         ),

@@ -521,19 +521,22 @@ async fn p6_measure(
     let n = s.events;
     let raw_group = ConsumerGroup::new("bench-raw")?;
     let inbox_group = ConsumerGroup::new("bench-inbox")?;
+    let single_group = ConsumerGroup::new("bench-inbox-1")?;
     let raw_table = fx.store.tables().app_table("bench_balances_raw")?;
     let inbox_table = fx.store.tables().app_table("bench_balances_inbox")?;
-    let markers = fx.store.tables().table("inbox_markers")?;
-    // KNOB(CONSUMER): the consumer's deliveries in flight, the same as the loop's.
-    let config =
-        ConsumerConfig::new("bench-inbox").with_receive_wait(Duration::from_millis(50)).with_max_in_flight(s.in_flight);
-    let consumer_in_flight = config.max_in_flight;
+    let single_table = fx.store.tables().app_table("bench_balances_inbox_1")?;
+    // KNOB(CONSUMER): the consumer's deliveries in flight, the same as the loop's, and per commit.
+    let config = ConsumerConfig::new("bench-inbox")
+        .with_receive_wait(Duration::from_millis(50))
+        .with_max_in_flight(s.in_flight)
+        .with_max_per_commit(s.per_commit);
+    let (consumer_in_flight, per_commit) = (config.max_in_flight, config.max_per_commit);
     say(
         "P6",
         format!(
             "consumer with the PostgreSQL inbox vs a hand-written loop, both on Redis (stream {}, read count {}); schema {}; \
              {n} messages; effect: credit the key's account (upsert, additive); loop: {} in flight, no inbox; consumer: \
-             {consumer_in_flight} in flight{}",
+             {consumer_in_flight} in flight{}, up to {per_commit} per commit",
             broker.stream_key(dest),
             s.batch,
             fx.schema,
@@ -541,7 +544,7 @@ async fn p6_measure(
             if consumer_in_flight < s.in_flight { " (the consumer's limit)" } else { "" }
         ),
     );
-    for table in [&raw_table, &inbox_table] {
+    for table in [&raw_table, &inbox_table, &single_table] {
         sqlx::raw_sql(AssertSqlSafe(format!(
             "CREATE TABLE {table} (account text PRIMARY KEY, balance bigint NOT NULL)"
         )))
@@ -549,7 +552,7 @@ async fn p6_measure(
         .await
         .map_err(map_error)?;
     }
-    broker.declare(dest, &[raw_group.clone(), inbox_group.clone()]).await?;
+    broker.declare(dest, &[raw_group.clone(), inbox_group.clone(), single_group.clone()]).await?;
     let events = fixture::events(s, dest, n);
     let expected: i64 = events.iter().map(fixture::amount).sum::<Result<i64>>()?;
     for chunk in events.chunks(1000) {
@@ -605,10 +608,65 @@ async fn p6_measure(
     drop(sub);
     say("P6", format!("hand-written loop {} ev/s", rate(baseline)));
 
-    // The subject: the consumer runtime with the inbox, same stream, its own group.
-    let counter = AckCounter::new(n as u64);
-    let mut sub = counter.wrap(broker.subscribe(dest, &inbox_group).await?);
-    let consumer = Consumer::new(fx.store.inbox(), Credit { sql: credit_sql(&inbox_table) }, config);
+    // The subject: the consumer runtime with the inbox, same stream, its own group; then, when
+    // it commits several deliveries at once, the same consumer committing each alone.
+    let measured = p6_consumer(fx, broker, dest, &inbox_group, &inbox_table, config, expected).await?;
+    say("P6", format!("consumer {} ev/s ({per_commit} per commit)", rate(measured)));
+    let single = if per_commit > 1 {
+        let config = ConsumerConfig::new("bench-inbox-1")
+            .with_receive_wait(Duration::from_millis(50))
+            .with_max_in_flight(s.in_flight);
+        let r = p6_consumer(fx, broker, dest, &single_group, &single_table, config, expected).await?;
+        say("P6", format!("consumer {} ev/s (1 per commit)", rate(r)));
+        format!("; the same consumer with 1 per commit: {} ev/s ({:.2} of the loop)", rate(r), r / baseline)
+    } else {
+        String::new()
+    };
+    let pending = broker.pending(dest, &raw_group).await?;
+    if pending != 0 {
+        return Err(fail(format!("group {}: {pending} deliveries unacknowledged", raw_group.as_str())));
+    }
+    let sum: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT sum(balance)::bigint FROM {raw_table}")))
+        .fetch_one(fx.store.pool())
+        .await
+        .map_err(map_error)?;
+    if sum != Some(expected) {
+        return Err(fail(format!("hand-written loop: balances sum to {sum:?}, expected {expected}")));
+    }
+    Ok(vec![Row::new(
+        "P6",
+        "consumer, PostgreSQL inbox, additive effect",
+        "hand-written loop, same effect, no inbox",
+        measured,
+        Some(baseline),
+        Some(0.85),
+        format!(
+            "Redis, read count {}; consumer {consumer_in_flight} in flight, up to {per_commit} per commit; loop {} in flight, 1 per commit; {} accounts{single}",
+            s.batch, s.in_flight, s.keys
+        ),
+        vec![("hand-written loop".into(), baseline)],
+        s.seed,
+    )])
+}
+
+/// One P6 consumer run: `config`'s consumer drains the stream through `group`, crediting
+/// `table`. Afterwards every amount is credited once (the balances sum to `expected`), there is
+/// one marker per event under the consumer's name, and nothing is left unacknowledged. Returns
+/// events per second.
+async fn p6_consumer(
+    fx: &PgFixture,
+    broker: &outbox::redis::RedisBroker,
+    dest: &Destination,
+    group: &ConsumerGroup,
+    table: &str,
+    config: ConsumerConfig,
+    expected: i64,
+) -> Result<f64> {
+    let name = config.name.clone();
+    let n = broker.stream_len(dest).await?;
+    let counter = AckCounter::new(n);
+    let mut sub = counter.wrap(broker.subscribe(dest, group).await?);
+    let consumer = Consumer::new(fx.store.inbox(), Credit { sql: credit_sql(table) }, config);
     let shutdown = outbox::Shutdown::default();
     let t = Instant::now();
     let task = tokio::spawn({
@@ -620,48 +678,30 @@ async fn p6_measure(
     let stopped = tokio::time::timeout(Duration::from_secs(30), task).await;
     let end = end?;
     stopped.map_err(|_| fail("the consumer did not stop within 30 s"))?.map_err(|e| fail(e.to_string()))??;
-    let measured = per_second(n, end - t);
-    say("P6", format!("consumer {} ev/s", rate(measured)));
+    let measured = per_second(usize::try_from(n).unwrap_or(usize::MAX), end - t);
 
-    // Durable state: both effects credited every amount once; one marker per event; nothing
-    // left unacknowledged.
-    for (what, table) in [("hand-written loop", &raw_table), ("consumer", &inbox_table)] {
-        let sum: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT sum(balance)::bigint FROM {table}")))
-            .fetch_one(fx.store.pool())
-            .await
-            .map_err(map_error)?;
-        if sum != Some(expected) {
-            return Err(fail(format!("{what}: balances sum to {sum:?}, expected {expected}")));
-        }
+    // Durable state: every amount credited once; one marker per event; nothing unacknowledged.
+    let sum: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT sum(balance)::bigint FROM {table}")))
+        .fetch_one(fx.store.pool())
+        .await
+        .map_err(map_error)?;
+    if sum != Some(expected) {
+        return Err(fail(format!("consumer {name}: balances sum to {sum:?}, expected {expected}")));
     }
-    let marked: i64 =
-        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {markers} WHERE consumer = 'bench-inbox'")))
-            .fetch_one(fx.store.pool())
-            .await
-            .map_err(map_error)?;
-    if marked != n as i64 {
-        return Err(fail(format!("{marked} inbox markers, expected {n}")));
+    let markers = fx.store.tables().table("inbox_markers")?;
+    let marked: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {markers} WHERE consumer = $1")))
+        .bind(&name)
+        .fetch_one(fx.store.pool())
+        .await
+        .map_err(map_error)?;
+    if u64::try_from(marked).ok() != Some(n) {
+        return Err(fail(format!("consumer {name}: {marked} inbox markers, expected {n}")));
     }
-    for g in [&raw_group, &inbox_group] {
-        let pending = broker.pending(dest, g).await?;
-        if pending != 0 {
-            return Err(fail(format!("group {}: {pending} deliveries unacknowledged", g.as_str())));
-        }
+    let pending = broker.pending(dest, group).await?;
+    if pending != 0 {
+        return Err(fail(format!("group {}: {pending} deliveries unacknowledged", group.as_str())));
     }
-    Ok(vec![Row::new(
-        "P6",
-        "consumer, PostgreSQL inbox, additive effect",
-        "hand-written loop, same effect, no inbox",
-        measured,
-        Some(baseline),
-        Some(0.85),
-        format!(
-            "Redis, read count {}; consumer {consumer_in_flight} in flight, loop {} in flight; {} accounts",
-            s.batch, s.in_flight, s.keys
-        ),
-        vec![("hand-written loop".into(), baseline)],
-        s.seed,
-    )])
+    Ok(measured)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ struct Lanes<'a, I: Inbox, H> {
     ready: VecDeque<(u64, Vec<Lane>, Delivery)>,
     /// Deliveries per batch transaction (1: no batches).
     per_commit: usize,
-    /// Group transactions open at once.
+    /// Batch transactions open at once.
     transactions: usize,
 }
 

@@ -129,6 +129,24 @@ async fn effect_rows(store: &PgStore, schema: &str) -> Vec<(String, Option<Strin
     sqlx::query_as(AssertSqlSafe(sql)).fetch_all(store.pool()).await.expect("read effects")
 }
 
+/// One effect row per event (`events` of them), and the rows of each key `k0…` in receive order
+/// (`k<k>:0`, `k<k>:1`, …).
+async fn assert_once_each_in_key_order(store: &PgStore, schema: &str, events: usize, keys: usize, per_key: usize) {
+    let rows = effect_rows(store, schema).await;
+    let mut per_event: BTreeMap<&str, usize> = BTreeMap::new();
+    for (id, _, _) in &rows {
+        *per_event.entry(id.as_str()).or_default() += 1;
+    }
+    assert_eq!(per_event.len(), events);
+    assert!(per_event.values().all(|n| *n == 1), "one effect row per event: {per_event:?}");
+    for k in 0..keys {
+        let key = format!("k{k}");
+        let order: Vec<&str> = rows.iter().filter(|r| r.1.as_deref() == Some(&key)).map(|r| r.2.as_str()).collect();
+        let expected: Vec<String> = (0..per_key).map(|i| format!("k{k}:{i}")).collect();
+        assert_eq!(order, expected, "effects of {key} in receive order");
+    }
+}
+
 fn unacked(broker: &MemoryBroker) -> usize {
     broker.unacknowledged(&dest(), &group())
 }
@@ -158,19 +176,7 @@ async fn postgres_keeps_key_order_and_applies_copies_once_with_eight_in_flight()
     assert_eq!((count(&Handled::Applied), count(&Handled::Duplicate)), (first.len(), first.len()), "{handled:?}");
     assert!(gauge.max() >= 4, "the gate was met: at least four at once (max {})", gauge.max());
 
-    let rows = effect_rows(&store, &schema).await;
-    let mut per_event: BTreeMap<&str, usize> = BTreeMap::new();
-    for (id, _, _) in &rows {
-        *per_event.entry(id.as_str()).or_default() += 1;
-    }
-    assert_eq!(per_event.len(), first.len());
-    assert!(per_event.values().all(|n| *n == 1), "one effect row per event: {per_event:?}");
-    for k in 0..KEYS {
-        let key = format!("k{k}");
-        let order: Vec<&str> = rows.iter().filter(|r| r.1.as_deref() == Some(&key)).map(|r| r.2.as_str()).collect();
-        let expected: Vec<String> = (0..PER_KEY).map(|i| format!("k{k}:{i}")).collect();
-        assert_eq!(order, expected, "effects of {key} in receive order");
-    }
+    assert_once_each_in_key_order(&store, &schema, first.len(), KEYS, PER_KEY).await;
     assert_eq!(store.inbox().markers(CONSUMER).await.unwrap().len(), first.len());
     assert_eq!(unacked(&broker), 0);
     drop_schema(&store, &schema).await;
@@ -199,19 +205,7 @@ async fn postgres_batches_share_a_transaction_and_apply_each_once() {
     let count = |want: &Handled| handled.iter().filter(|h| *h == want).count();
     assert_eq!((count(&Handled::Applied), count(&Handled::Duplicate)), (first.len(), first.len()), "{handled:?}");
 
-    let rows = effect_rows(&store, &schema).await;
-    let mut per_event: BTreeMap<&str, usize> = BTreeMap::new();
-    for (id, _, _) in &rows {
-        *per_event.entry(id.as_str()).or_default() += 1;
-    }
-    assert_eq!(per_event.len(), first.len());
-    assert!(per_event.values().all(|n| *n == 1), "one effect row per event: {per_event:?}");
-    for k in 0..KEYS {
-        let key = format!("k{k}");
-        let order: Vec<&str> = rows.iter().filter(|r| r.1.as_deref() == Some(&key)).map(|r| r.2.as_str()).collect();
-        let expected: Vec<String> = (0..PER_KEY).map(|i| format!("k{k}:{i}")).collect();
-        assert_eq!(order, expected, "effects of {key} in receive order");
-    }
+    assert_once_each_in_key_order(&store, &schema, first.len(), KEYS, PER_KEY).await;
     let sql = format!("SELECT count(*) FROM \"{schema}\".effects GROUP BY tx ORDER BY count(*) DESC");
     let per_tx: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql)).fetch_all(store.pool()).await.expect("read tx ids");
     assert!(per_tx[0] >= 2, "no two effects committed in one transaction: {per_tx:?}");

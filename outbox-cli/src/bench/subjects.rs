@@ -622,17 +622,7 @@ async fn p6_measure(
     } else {
         String::new()
     };
-    let pending = broker.pending(dest, &raw_group).await?;
-    if pending != 0 {
-        return Err(fail(format!("group {}: {pending} deliveries unacknowledged", raw_group.as_str())));
-    }
-    let sum: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT sum(balance)::bigint FROM {raw_table}")))
-        .fetch_one(fx.store.pool())
-        .await
-        .map_err(map_error)?;
-    if sum != Some(expected) {
-        return Err(fail(format!("hand-written loop: balances sum to {sum:?}, expected {expected}")));
-    }
+    p6_credited_and_acknowledged(fx, broker, dest, &raw_group, &raw_table, expected, "hand-written loop").await?;
     Ok(vec![Row::new(
         "P6",
         "consumer, PostgreSQL inbox, additive effect",
@@ -681,13 +671,7 @@ async fn p6_consumer(
     let measured = per_second(usize::try_from(n).unwrap_or(usize::MAX), end - t);
 
     // Durable state: every amount credited once; one marker per event; nothing unacknowledged.
-    let sum: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT sum(balance)::bigint FROM {table}")))
-        .fetch_one(fx.store.pool())
-        .await
-        .map_err(map_error)?;
-    if sum != Some(expected) {
-        return Err(fail(format!("consumer {name}: balances sum to {sum:?}, expected {expected}")));
-    }
+    p6_credited_and_acknowledged(fx, broker, dest, group, table, expected, &format!("consumer {name}")).await?;
     let markers = fx.store.tables().table("inbox_markers")?;
     let marked: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {markers} WHERE consumer = $1")))
         .bind(&name)
@@ -697,11 +681,32 @@ async fn p6_consumer(
     if u64::try_from(marked).ok() != Some(n) {
         return Err(fail(format!("consumer {name}: {marked} inbox markers, expected {n}")));
     }
+    Ok(measured)
+}
+
+/// `table`'s balances sum to `expected` (every amount credited once) and `group` holds nothing
+/// unacknowledged.
+async fn p6_credited_and_acknowledged(
+    fx: &PgFixture,
+    broker: &outbox::redis::RedisBroker,
+    dest: &Destination,
+    group: &ConsumerGroup,
+    table: &str,
+    expected: i64,
+    what: &str,
+) -> Result<()> {
+    let sum: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!("SELECT sum(balance)::bigint FROM {table}")))
+        .fetch_one(fx.store.pool())
+        .await
+        .map_err(map_error)?;
+    if sum != Some(expected) {
+        return Err(fail(format!("{what}: balances sum to {sum:?}, expected {expected}")));
+    }
     let pending = broker.pending(dest, group).await?;
     if pending != 0 {
-        return Err(fail(format!("group {}: {pending} deliveries unacknowledged", group.as_str())));
+        return Err(fail(format!("{what}: group {}: {pending} deliveries unacknowledged", group.as_str())));
     }
-    Ok(measured)
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -473,9 +473,9 @@ pub fn all_cases() -> Vec<Case> {
         Case {
             name: "consumer_batch_failure_rolls_back_and_each_is_handled_alone",
             class: "Consumer::process_batch",
-            property: "a handler error inside a batch rolls the whole batch back and acknowledges none of it; each \
-                       delivery is then handled alone: the others apply once, the failing one comes back and is \
-                       dead-lettered after its attempts",
+            property: "a handler error or a conflicting copy inside a batch rolls the whole batch back and \
+                       acknowledges none of it; each delivery is then handled alone: the others apply once, the \
+                       failing one comes back and is dead-lettered after its attempts, the conflict is dead-lettered",
             needs: &[],
             body: Function,
         },
@@ -2111,7 +2111,23 @@ async fn consumer_batch_failure<H: Harness>(h: &H, engines: &Engines) -> outbox_
         let (more, _) = drain_bounded(&fresh, sub.as_mut(), wait, MAX_DELIVERIES).await?;
         again.extend(more);
     }
+    // A second batch: a copy of the first credit with other content (its marker is committed),
+    // and a new credit. The conflict must be dead-lettered, not taken for a duplicate.
+    let conflicting = Event::new(events[0].id.clone(), fx.destination.clone(), "credit:a:100".to_string());
+    let last = event(4, "credit:d:8")?;
+    broker.publish(&conflicting).await?;
+    broker.publish(&last).await?;
+    let mut second = Vec::new();
+    while second.len() < 2 {
+        let Some(d) = receive_within(sub.as_mut(), wait).await? else { break };
+        second.push(d);
+    }
+    ensure!(CASE, second.len() == 2, "{} of 2 events of the second batch delivered", second.len());
+    let handled_second: Vec<Handled> =
+        engines.process_batch(&fresh, second).await.into_iter().collect::<Result<_, _>>()?;
     drop(sub);
+    let mut events = events;
+    events.push(last);
 
     let rows = fx.effects.rows().await?;
     for (i, e) in events.iter().enumerate() {
@@ -2127,8 +2143,15 @@ async fn consumer_batch_failure<H: Harness>(h: &H, engines: &Engines) -> outbox_
     }
     let marked: Vec<EventId> = fx.inbox.markers(CONSUMER).await?.into_iter().map(|m| m.event_id).collect();
     let ours: Vec<&EventId> = events.iter().map(|e| &e.id).filter(|id| marked.contains(id)).collect();
-    ensure!(CASE, ours.len() == 3, "markers for {ours:?}, expected the three credits");
+    ensure!(CASE, ours.len() == 4, "markers for {ours:?}, expected the four credits");
     let dead = fx.inbox.dead_letters(CONSUMER).await?;
+    ensure!(
+        CASE,
+        dead.iter().any(|d| d.event.id == events[0].id && d.reason == DeadLetterReason::Conflict),
+        "a copy of {} with other content in a batch was not dead-lettered as a conflict (second batch: \
+         {handled_second:?})",
+        events[0].id
+    );
     ensure!(
         CASE,
         dead.iter().any(|d| d.event.id == events[2].id && d.reason == DeadLetterReason::HandlerFailed),
@@ -2139,7 +2162,7 @@ async fn consumer_batch_failure<H: Harness>(h: &H, engines: &Engines) -> outbox_
     if let Some(d) = next_bounded(sub.as_mut(), wait).await? {
         return Ok(CaseResult::fail(CASE, "", format!("{} came back after a full drain", d.event.id)));
     }
-    Ok(CaseResult::Passed(format!("batch: {handled:?}; afterwards: {again:?}")))
+    Ok(CaseResult::Passed(format!("batch: {handled:?}; afterwards: {again:?}; second batch: {handled_second:?}")))
 }
 
 async fn broker_unbound_destination<H: Harness>(h: &H, engines: &Engines) -> outbox_core::Result<CaseResult> {

@@ -93,11 +93,9 @@ impl ConsumerConfig {
         self
     }
 
-    /// Whether deliveries of a handler with this effect may share a transaction: only where the
-    /// guard lives in the effect's transaction alone (a marker or a version), never for a
-    /// notification (its ledger commits before the external call) or an unguarded effect.
+    /// Whether the runtime batches deliveries of a handler with this effect.
     pub(crate) fn batches(&self, effect: EffectKind) -> bool {
-        self.max_per_commit > 1 && matches!(effect, EffectKind::Additive | EffectKind::Projection)
+        self.max_per_commit > 1 && shares_transactions(effect)
     }
 
     /// Set [`max_in_flight`](Self::max_in_flight); 0 is taken as 1. With 1 the consumer handles
@@ -301,7 +299,7 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
     /// Per delivery, only an acknowledgement error, as [`process`](Self::process).
     pub async fn process_batch(&self, deliveries: Vec<Delivery>) -> Vec<Result<Handled>> {
         let effect = self.inner.handler.effect();
-        if deliveries.len() > 1 && matches!(effect, EffectKind::Additive | EffectKind::Projection) {
+        if deliveries.len() > 1 && shares_transactions(effect) {
             let started = Instant::now();
             let events: Vec<&Event> = deliveries.iter().map(|d| &d.event).collect();
             let name = self.inner.config.name.as_str();
@@ -347,53 +345,52 @@ impl<I: Inbox, H: Handler<I>> Consumer<I, H> {
         let mut tx: Option<I::Tx> = None;
         let mut verdicts = Vec::with_capacity(events.len());
         for (event, span) in events.iter().zip(spans) {
-            let verdict = async {
-                let skip = match effect {
+            // The transaction is taken for the step and put back after it; a failed step drops
+            // it, which rolls the batch back.
+            let step = async {
+                let (mut t, skip) = match effect {
                     EffectKind::Additive => {
                         let fingerprint = event.fingerprint();
-                        let outcome = match tx.as_mut() {
-                            Some(t) => inbox.mark(t, name, &event.id, &fingerprint).await?,
-                            None => {
-                                let (t, outcome) = inbox.begin_marked(name, &event.id, &fingerprint).await?;
-                                tx = Some(t);
-                                outcome
+                        let (t, outcome) = match tx.take() {
+                            Some(mut t) => {
+                                let outcome = inbox.mark(&mut t, name, &event.id, &fingerprint).await?;
+                                (t, outcome)
                             }
+                            None => inbox.begin_marked(name, &event.id, &fingerprint).await?,
                         };
-                        match outcome {
+                        let skip = match outcome {
                             MarkOutcome::New => None,
                             MarkOutcome::Duplicate => Some(Handled::Duplicate),
                             MarkOutcome::Conflict { .. } => return Ok(None),
-                        }
+                        };
+                        (t, skip)
                     }
                     _ => {
                         let (subject, version) = handler.version(event)?;
-                        let t = match tx.as_mut() {
+                        let mut t = match tx.take() {
                             Some(t) => t,
-                            None => tx.insert(inbox.begin().await?),
+                            None => inbox.begin().await?,
                         };
-                        match inbox.advance_version(t, name, &subject, version).await? {
+                        let skip = match inbox.advance_version(&mut t, name, &subject, version).await? {
                             VersionOutcome::Stale { current } => Some(Handled::Stale { current }),
                             VersionOutcome::Advanced { .. } => None,
-                        }
+                        };
+                        (t, skip)
                     }
                 };
-                if let Some(v) = skip {
-                    return Ok(Some(v));
-                }
-                // Both guards above opened the transaction; the fallback covers the impossible.
-                let Some(t) = tx.as_mut() else {
-                    return Err(Error::permanent(
-                        ErrorKind::InvalidInput,
-                        "consumer-inbox",
-                        "batch: no open transaction",
-                    ));
+                let verdict = match skip {
+                    Some(v) => v,
+                    None => {
+                        handler.apply(&mut t, event).await?;
+                        Handled::Applied
+                    }
                 };
-                handler.apply(t, event).await?;
-                Ok::<_, Error>(Some(Handled::Applied))
+                Ok::<_, Error>(Some((t, verdict)))
             }
             .instrument(span.clone())
             .await?;
-            let Some(verdict) = verdict else { return Ok(None) };
+            let Some((t, verdict)) = step else { return Ok(None) };
+            tx = Some(t);
             verdicts.push(verdict);
         }
         if let Some(t) = tx {
@@ -829,6 +826,13 @@ impl<I: Inbox, H: Handler<I>> InFlight<I, H> {
     /// Give up without acknowledging (the suite's "acknowledgement lost"): the transaction, if
     /// still open, rolls back and the delivery stays unacknowledged until its subscription ends.
     pub fn abandon(self) {}
+}
+
+/// Whether deliveries of a handler with this effect may share a transaction: a marker or a
+/// version lives in the effect's transaction alone; a notification's ledger commits before its
+/// external call, and an idempotent effect has no guard.
+fn shares_transactions(effect: EffectKind) -> bool {
+    matches!(effect, EffectKind::Additive | EffectKind::Projection)
 }
 
 /// The inbox marker that makes recording a foreign message idempotent: `malformed:sha256-<32 hex

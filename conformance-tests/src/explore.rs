@@ -160,43 +160,31 @@ pub async fn exhaustive<H: Harness>(h: &H, bounds: Bounds) -> Result<ExploreRepo
     Ok(report)
 }
 
+/// Sampled paths run at once. Each path is its own world (fresh fixtures, its own generator),
+/// and on a real server nearly all of a path's time is spent waiting on deliveries, so running
+/// a few together shortens the case without changing any path.
+pub const SAMPLED_PATHS_AT_ONCE: usize = 4;
+
 /// Sample `iterations` random paths from `seed`; iteration `i` uses a generator seeded from
-/// `seed` and `i`, so any run replays exactly.
+/// `seed` and `i`, so any run replays exactly. Up to [`SAMPLED_PATHS_AT_ONCE`] paths run
+/// together; results are taken in iteration order and the first failing iteration is reported
+/// (later ones still running are dropped), as a one-at-a-time run would report it.
 ///
 /// # Errors
 /// Backend errors.
 pub async fn sampled<H: Harness>(h: &H, bounds: Bounds, seed: u64, iterations: u32) -> Result<ExploreReport> {
+    use futures::StreamExt as _;
     let start = Instant::now();
     let mut report = ExploreReport::default();
-    for i in 0..iterations {
-        let mut rng = SplitMix64::new(seed ^ u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut world: World<H::Inbox> =
-            World::new(h, "perm", &PAYLOADS[..bounds.events], EffectKind::Additive).await?;
-        let mut path = Vec::new();
-        // Actions that did nothing in the current state (a no-op changes nothing, so the state
-        // is the same and another action can be drawn instead).
-        let mut idle: Vec<Action> = Vec::new();
-        while path.len() < bounds.max_depth {
-            let (c, e, l) = budgets(&path, &bounds);
-            let enabled: Vec<Action> =
-                world.enabled(c, e, l).into_iter().filter(|a| canonical(&path, a) && !idle.contains(a)).collect();
-            if enabled.is_empty() {
-                break;
-            }
-            let a = enabled[rng.below(enabled.len() as u64) as usize].clone();
-            match world.step(&a).await {
-                Ok(()) => {
-                    path.push(a);
-                    idle.clear();
-                }
-                Err(e) if is_no_op(&e) => idle.push(a),
-                Err(e) => return Err(e),
-            }
-        }
+    let mut paths = futures::stream::iter(0..iterations)
+        .map(|i| async move { (i, sample_path(h, &bounds, seed, i).await) })
+        .buffered(SAMPLED_PATHS_AT_ONCE);
+    while let Some((i, result)) = paths.next().await {
+        let (path, run) = result?;
         report.states += path.len() as u64;
         report.paths += 1;
         report.deepest = report.deepest.max(path.len());
-        if let Run::Judged { failure, duplicates, .. } = judged(world, &path, Some(seed), Vec::new()).await? {
+        if let Run::Judged { failure, duplicates, .. } = run {
             report.duplicates_offered += duplicates as u64;
             if let Some(mut f) = failure {
                 f.violations.insert(0, format!("iteration {i} of seed {seed}"));
@@ -207,6 +195,36 @@ pub async fn sampled<H: Harness>(h: &H, bounds: Bounds, seed: u64, iterations: u
     }
     report.elapsed = start.elapsed();
     Ok(report)
+}
+
+/// Iteration `i` of a sampled run: draw a path from its generator, step a fresh world along it
+/// and judge the drained state.
+async fn sample_path<H: Harness>(h: &H, bounds: &Bounds, seed: u64, i: u32) -> Result<(Vec<Action>, Run)> {
+    let mut rng = SplitMix64::new(seed ^ u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut world: World<H::Inbox> = World::new(h, "perm", &PAYLOADS[..bounds.events], EffectKind::Additive).await?;
+    let mut path = Vec::new();
+    // Actions that did nothing in the current state (a no-op changes nothing, so the state
+    // is the same and another action can be drawn instead).
+    let mut idle: Vec<Action> = Vec::new();
+    while path.len() < bounds.max_depth {
+        let (c, e, l) = budgets(&path, bounds);
+        let enabled: Vec<Action> =
+            world.enabled(c, e, l).into_iter().filter(|a| canonical(&path, a) && !idle.contains(a)).collect();
+        if enabled.is_empty() {
+            break;
+        }
+        let a = enabled[rng.below(enabled.len() as u64) as usize].clone();
+        match world.step(&a).await {
+            Ok(()) => {
+                path.push(a);
+                idle.clear();
+            }
+            Err(e) if is_no_op(&e) => idle.push(a),
+            Err(e) => return Err(e),
+        }
+    }
+    let run = judged(world, &path, Some(seed), Vec::new()).await?;
+    Ok((path, run))
 }
 
 /// The seed for sampled runs: `OUTBOX_TEST_SEED` if set, else from the clock.

@@ -434,6 +434,23 @@ pub trait BrokerHarness: Send + Sync + 'static {
     async fn fixture(&self, case: &str) -> Result<BrokerFixture>;
 }
 
+/// A broker half chosen at run time (a URL's scheme, say): a [`Combined`] over it compiles the
+/// suite once per store type instead of once per store × broker pair.
+#[async_trait]
+impl BrokerHarness for Box<dyn BrokerHarness> {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
+    }
+
+    async fn fixture(&self, case: &str) -> Result<BrokerFixture> {
+        (**self).fixture(case).await
+    }
+}
+
 /// A store half and a broker half judged together: the [`Harness`] the suite runs.
 ///
 /// Capabilities and the delivery wait are the broker's; the exhaustive exploration runs only

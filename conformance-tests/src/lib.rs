@@ -26,5 +26,5 @@ pub use harness::{
     StoreHarness, stream_fields,
 };
 pub use reference::MemoryHarness;
-pub use runner::{main, run_all, table};
+pub use runner::{DEFAULT_TEST_THREADS, arguments, main, run_all, table};
 pub use service::{amqp_url, in_ci, kafka_url, pg_url, redis_url, require_service, service_addr};

@@ -18,11 +18,33 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap_or_else(|e| panic!("cannot build a tokio runtime: {e}"))
 }
 
+/// Cases run at once when neither `--test-threads` nor `RUST_TEST_THREADS` says otherwise.
+///
+/// A case spends nearly all its time waiting on the servers, not computing: proving that
+/// nothing more arrives takes a broker's whole delivery wait, and a Kafka consumer waits for its
+/// group. With two at a time (the machine's parallelism on two cores) the store × broker matrix
+/// kept the CPU 90–97% idle; eight at a time keeps a PostgreSQL backend within its default 100
+/// connections (a fixture's pool holds four).
+pub const DEFAULT_TEST_THREADS: usize = 8;
+
+/// The test-harness arguments of this process, with the number of cases run at once filled
+/// in: `--test-threads N` if given, else `RUST_TEST_THREADS` (which `libtest` reads and
+/// `libtest-mimic` does not), else [`DEFAULT_TEST_THREADS`].
+pub fn arguments() -> Arguments {
+    let mut args = Arguments::from_args();
+    if args.test_threads.is_none() {
+        let from_env = std::env::var("RUST_TEST_THREADS").ok().and_then(|v| v.trim().parse::<usize>().ok());
+        args.test_threads = Some(from_env.filter(|n| *n > 0).unwrap_or(DEFAULT_TEST_THREADS));
+    }
+    args
+}
+
 /// Run every case against `harness` as a test binary (`harness = false` in the backend's
 /// `[[test]]` section). Accepts the usual test-harness arguments (filters, `--list`,
-/// `--test-threads`).
+/// `--test-threads`); cases run [`DEFAULT_TEST_THREADS`] at a time unless told otherwise
+/// ([`arguments`]).
 pub fn main<H: Harness>(harness: H) -> ExitCode {
-    let args = Arguments::from_args();
+    let args = arguments();
     let harness = Arc::new(harness);
     let caps = harness.capabilities();
     eprintln!("conformance suite against {}", harness.name());

@@ -93,15 +93,16 @@ pub(crate) async fn run(store: &str, broker: &str) -> Result<bool> {
     }
 }
 
+/// The broker half as a trait object: the suite is compiled once per store type rather than
+/// once per store × broker pair (which made this binary the slowest crate of the build).
 async fn with_store<S: StoreHarness>(store: S, broker: BrokerSpec) -> Result<bool> {
-    match broker {
-        BrokerSpec::Memory => judge(Combined::new(store, MemoryBrokerHarness)).await,
-        BrokerSpec::Redis(url) => {
-            judge(Combined::new(store, RedisBrokerHarness::new(RedisConfig::from_url(&url)?))).await
-        }
-        BrokerSpec::Amqp(url) => judge(Combined::new(store, AmqpBrokerHarness::from_url(&url)?)).await,
-        BrokerSpec::Kafka(url) => judge(Combined::new(store, KafkaBrokerHarness::from_url(&url)?)).await,
-    }
+    let broker: Box<dyn BrokerHarness> = match broker {
+        BrokerSpec::Memory => Box::new(MemoryBrokerHarness),
+        BrokerSpec::Redis(url) => Box::new(RedisBrokerHarness::new(RedisConfig::from_url(&url)?)),
+        BrokerSpec::Amqp(url) => Box::new(AmqpBrokerHarness::from_url(&url)?),
+        BrokerSpec::Kafka(url) => Box::new(KafkaBrokerHarness::from_url(&url)?),
+    };
+    judge(Combined::new(store, broker)).await
 }
 
 async fn judge<S: StoreHarness, B: BrokerHarness>(harness: Combined<S, B>) -> Result<bool> {

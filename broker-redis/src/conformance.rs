@@ -11,6 +11,7 @@
 //! next member of the group well within the suite's delivery wait.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -38,6 +39,9 @@ pub const SAMPLED_ITERATIONS: u32 = 40;
 /// Redis Streams under a key prefix of this harness, deleted when it is dropped.
 pub struct RedisBrokerHarness {
     config: RedisConfig,
+    /// Whether a fixture ever connected: a harness whose server was never reached has no keys
+    /// to delete, and a second "connection refused" after the first error only confuses.
+    connected: AtomicBool,
 }
 
 impl std::fmt::Debug for RedisBrokerHarness {
@@ -55,7 +59,7 @@ impl RedisBrokerHarness {
     pub fn new(config: RedisConfig) -> Self {
         let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let prefix = format!("{}outbox-conformance:{}-{nanos:x}:", config.prefix, std::process::id());
-        Self { config: config.with_prefix(prefix).with_claim_idle(CLAIM_IDLE) }
+        Self { config: config.with_prefix(prefix).with_claim_idle(CLAIM_IDLE), connected: AtomicBool::new(false) }
     }
 
     /// The configuration every fixture's broker uses.
@@ -65,7 +69,7 @@ impl RedisBrokerHarness {
 
     fn clean_up(&self) -> redis::RedisResult<()> {
         let client = redis::Client::open(self.config.url.as_str())?;
-        let mut conn = client.get_connection()?;
+        let mut conn = client.get_connection_with_timeout(Duration::from_secs(5))?;
         let mut keys = Vec::new();
         let mut cursor: u64 = 0;
         loop {
@@ -91,6 +95,9 @@ impl RedisBrokerHarness {
 
 impl Drop for RedisBrokerHarness {
     fn drop(&mut self) {
+        if !self.connected.load(Ordering::Relaxed) {
+            return;
+        }
         if let Err(e) = self.clean_up() {
             eprintln!("could not delete the keys under {:?}: {e}", self.config.prefix);
         }
@@ -122,6 +129,7 @@ impl BrokerHarness for RedisBrokerHarness {
 
     async fn fixture(&self, case: &str) -> Result<BrokerFixture> {
         let broker = RedisBroker::connect(self.config.clone()).await?;
+        self.connected.store(true, Ordering::Relaxed);
         let destination = Destination::new(format!("{case}-{}", unique_tag()))?;
         let mut fx = BrokerFixture::new(Arc::new(broker.clone()), destination);
         fx.foreign = Some(Arc::new(RedisForeign { broker, url: self.config.url.clone() }));

@@ -16,7 +16,7 @@ use outbox_conformance_tests::{
     BrokerHarness, CaseResult, Combined, Harness, MemoryBrokerHarness, MemoryStoreHarness, StoreHarness, all_cases,
     run_case,
 };
-use outbox_core::{Error, ManualClock, Result};
+use outbox_core::{ConsumerGroup, Error, ManualClock, Result};
 use outbox_store_postgres::PgConfig;
 use outbox_store_postgres::conformance::PgStoreHarness;
 use outbox_store_sqlite::conformance::SqliteStoreHarness;
@@ -82,7 +82,7 @@ fn broker_spec(url: &str) -> Result<BrokerSpec> {
 ///
 /// # Errors
 /// An unknown scheme or a bad URL (before anything runs), or a store or broker that cannot be
-/// reached (checked with one fixture before the cases).
+/// reached (checked before the cases: one fixture, the store's stats and a declared destination).
 pub(crate) async fn run(store: &str, broker: &str) -> Result<bool> {
     let broker = broker_spec(broker)?;
     match store_spec(store)? {
@@ -108,8 +108,13 @@ async fn with_store<S: StoreHarness>(store: S, broker: BrokerSpec) -> Result<boo
 async fn judge<S: StoreHarness, B: BrokerHarness>(harness: Combined<S, B>) -> Result<bool> {
     let started = Instant::now();
     println!("conformance suite against {}\n", harness.name());
-    // One fixture first: an unreachable server is one clear error, not a failure per case.
-    harness.fixture("connection-check", ManualClock::default()).await?;
+    // One fixture first, and one round trip to each server: an unreachable server is one clear
+    // error, not a failure per case. A fixture alone does not prove the broker answers (the
+    // Kafka and AMQP clients connect on first use), so its destination is declared with a group.
+    let fixture = harness.fixture("connection-check", ManualClock::default()).await?;
+    fixture.store.stats().await?;
+    fixture.broker.declare(&fixture.destination, &[ConsumerGroup::new("connection-check")?]).await?;
+    drop(fixture);
     let cases = all_cases();
     let wn = cases.iter().map(|c| c.name.len()).max().unwrap_or(4);
     let wc = cases.iter().map(|c| c.class.len()).max().unwrap_or(5);

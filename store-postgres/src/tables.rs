@@ -589,16 +589,17 @@ const CLAIM_LIMIT: &str = "{limit}";
 ///
 /// 1. `b` lists the keys held back now and, per key, its first holding row: a leased row, a row
 ///    backing off, and under [`ParkedHead::Block`] a parked row — read from `events_key_held`,
-///    which holds only rows in flight, failed or parked. `bh` keeps the keys whose first holding
-///    row is their head (no earlier unpublished row; one probe of `events_key_open` per held key):
-///    every other row of such a key comes after it.
+///    which holds only rows in flight, failed or parked. `bm` turns that list into one `jsonb`
+///    object, key to first holding row, and notes the highest of those rows.
 /// 2. `c` walks the open rows in id order (the `events_claimable` index) and takes, with
 ///    `FOR UPDATE SKIP LOCKED`, the first `limit` that are due, unleased, and not held back: a row
-///    whose key is not in `b` passes on a hash lookup, a row whose key is in `bh` is dropped on
-///    one, and only a row whose key's first holding row is not its head pays an index probe
-///    (is a holding row of its key before it?). This keeps the rows of a held key out of the
-///    batch, so they cannot crowd out other keys, and when every key's head is in flight (a
-///    deep pipeline over few keys) the walk costs a hash lookup per row, not two probes.
+///    is held back exactly when its key has a holding row before it, that is when its key's first
+///    holding row is lower. A row whose key is not in `b` passes on a hash lookup; a row above
+///    every first holding row is dropped on one more comparison; only a row of a held key below
+///    that reads its key's first holding row from `bm` (a binary search in the object). No step
+///    probes an index per held key or per row, so a claim beside many rows in flight costs little
+///    more than one beside none, and when every key's head is in flight (a deep pipeline over few
+///    keys) the walk costs a hash lookup and a comparison per row.
 /// 3. `ok` keeps a row of `c` only if every earlier unpublished row of its key is in `c` too: per
 ///    key of the batch, the first unpublished row that is not in `c` (the "gap": a row skipped
 ///    because another claim holds its lock, or changed since the statement's snapshot) drops the
@@ -608,9 +609,9 @@ const CLAIM_LIMIT: &str = "{limit}";
 ///
 /// Rows without a key skip every check. Under [`ParkedHead::Skip`] parked rows are left out of a
 /// key's chain (they neither hold a key back nor count as its head); under `Block` a parked row
-/// holds its key back like a leased one. The probes of `events_key_open` use row comparisons on
-/// `(key, id)` so that only that index can serve them (a plain `key = …` probe may be planned on
-/// the primary key, walking every published row).
+/// holds its key back like a leased one. The gap probes of `events_key_open` use row comparisons
+/// on `(key, id)` so that only that index can serve them (a plain `key = …` probe may be planned
+/// on the primary key, walking every published row).
 fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
     let now = format!("(SELECT {NOW})");
     let (chain, parked_holds) = match parked_head {
@@ -618,39 +619,28 @@ fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
         ParkedHead::Skip => ("AND {a}.parked_at IS NULL", ""),
     };
     let chain = |a: &str| chain.replace("{a}", a);
-    let holds = |a: &str| {
-        format!(
-            "{} AND ({}{a}.available_at > {now} OR {a}.lease_expires_at > {now}) {}",
-            held(&format!("{a}.")),
-            parked_holds.replace("{a}", a),
-            chain(a)
-        )
-    };
-    let (holds_h, holds_r) = (holds("h"), holds("r"));
-    let (chain_p, chain_e) = (chain("p"), chain("e"));
+    let holds_h = format!(
+        "{} AND ({}h.available_at > {now} OR h.lease_expires_at > {now}) {}",
+        held("h."),
+        parked_holds.replace("{a}", "h"),
+        chain("h")
+    );
+    let chain_e = chain("e");
     format!(
         "WITH b AS MATERIALIZED (
     SELECT DISTINCT ON (h.key) h.key, h.id FROM {events} h
     WHERE {holds_h}
     ORDER BY h.key, h.id
-), bh AS MATERIALIZED (
-    SELECT b.key FROM b WHERE NOT EXISTS (
-        SELECT 1 FROM (
-            SELECT p.key FROM {events} p
-            WHERE (p.key, p.id) < (b.key, b.id) AND p.key IS NOT NULL AND p.published_at IS NULL {chain_p}
-            ORDER BY p.key DESC, p.id DESC LIMIT 1
-        ) p
-        WHERE p.key = b.key
-    )
+), bm AS MATERIALIZED (
+    SELECT jsonb_object_agg(b.key, b.id) AS first, max(b.id) AS last FROM b
 ), c AS (
     SELECT t.id, t.key FROM {events} t
     WHERE t.published_at IS NULL AND t.parked_at IS NULL
       AND t.available_at <= {now}
       AND (t.lease_expires_at IS NULL OR t.lease_expires_at <= {now})
       AND (t.key IS NULL OR t.key NOT IN (SELECT key FROM b) OR (
-          t.key NOT IN (SELECT key FROM bh) AND NOT EXISTS (
-              SELECT 1 FROM {events} r WHERE r.key = t.key AND r.id < t.id AND {holds_r}
-          )))
+          t.id < (SELECT last FROM bm) AND ((SELECT first FROM bm) ->> t.key)::bigint > t.id
+      ))
     ORDER BY t.id
     LIMIT {CLAIM_LIMIT}
     FOR UPDATE SKIP LOCKED

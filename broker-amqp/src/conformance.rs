@@ -150,9 +150,12 @@ impl BrokerHarness for AmqpBrokerHarness {
 
     async fn fixture(&self, case: &str) -> Result<BrokerFixture> {
         let destination = Destination::new(format!("{case}.{}", unique_tag()))?;
+        let broker = AmqpBroker::new(self.config.clone());
+        // Connected now, not on first use: a server that cannot be reached fails the fixture
+        // here, with the broker's own error, and leaves the harness nothing to delete.
+        broker.connect().await?;
         self.created.lock().unwrap_or_else(PoisonError::into_inner).push(destination.clone());
-        let broker: Arc<dyn Broker> = Arc::new(AmqpBroker::new(self.config.clone()));
-        let mut fixture = BrokerFixture::new(broker, destination);
+        let mut fixture = BrokerFixture::new(Arc::new(broker) as Arc<dyn Broker>, destination);
         // A restarted process has connections of its own; what survives is on the server.
         let config = self.config.clone();
         fixture.restart_broker = Arc::new(move || Arc::new(AmqpBroker::new(config.clone())) as Arc<dyn Broker>);

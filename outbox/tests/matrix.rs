@@ -166,6 +166,11 @@ fn run_trial<H: Harness>(harness: &H, case: &Case) -> Result<(), Failed> {
     }
 }
 
+/// A broker half as the trait object the matrix pairs with each store.
+fn boxed(broker: impl BrokerHarness) -> Box<dyn BrokerHarness> {
+    Box::new(broker)
+}
+
 fn main() -> ExitCode {
     let args = outbox_conformance_tests::arguments();
     let tallies = Tallies::default();
@@ -183,16 +188,10 @@ fn main() -> ExitCode {
     let pg_store = || PgConfig::from_url(&pg_url()).map(PgStoreHarness::new).map_err(|e| e.to_string());
     let sqlite_store = || SqliteStoreHarness::temporary().map_err(|e| e.to_string());
     // Broker halves as trait objects: the suite is compiled once per store, not once per pair.
-    let boxed = |b: Box<dyn BrokerHarness>| b;
-    let kafka_broker =
-        || KafkaBrokerHarness::from_url(&kafka_url()).map(|b| boxed(Box::new(b))).map_err(|e| e.to_string());
-    let amqp_broker =
-        || AmqpBrokerHarness::from_url(&amqp_url()).map(|b| boxed(Box::new(b))).map_err(|e| e.to_string());
-    let redis_broker = || {
-        RedisConfig::from_url(&redis_url())
-            .map(|c| boxed(Box::new(RedisBrokerHarness::new(c))))
-            .map_err(|e| e.to_string())
-    };
+    let kafka_broker = || KafkaBrokerHarness::from_url(&kafka_url()).map(boxed).map_err(|e| e.to_string());
+    let amqp_broker = || AmqpBrokerHarness::from_url(&amqp_url()).map(boxed).map_err(|e| e.to_string());
+    let redis_broker =
+        || RedisConfig::from_url(&redis_url()).map(|c| boxed(RedisBrokerHarness::new(c))).map_err(|e| e.to_string());
 
     let mut all = Vec::new();
     all.extend(trials(

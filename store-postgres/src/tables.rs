@@ -615,14 +615,13 @@ const CLAIM_LIMIT: &str = "{limit}";
 fn claim_sql(events: &str, tcols: &str, parked_head: ParkedHead) -> String {
     let now = format!("(SELECT {NOW})");
     let (chain, parked_holds) = match parked_head {
-        ParkedHead::Block => ("", "{a}.parked_at IS NOT NULL OR "),
+        ParkedHead::Block => ("", "h.parked_at IS NOT NULL OR "),
         ParkedHead::Skip => ("AND {a}.parked_at IS NULL", ""),
     };
     let chain = |a: &str| chain.replace("{a}", a);
     let holds_h = format!(
-        "{} AND ({}h.available_at > {now} OR h.lease_expires_at > {now}) {}",
+        "{} AND ({parked_holds}h.available_at > {now} OR h.lease_expires_at > {now}) {}",
         held("h."),
-        parked_holds.replace("{a}", "h"),
         chain("h")
     );
     let chain_e = chain("e");

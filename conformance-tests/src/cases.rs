@@ -523,6 +523,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "claim_key_order_held_key_does_not_crowd_out_other_keys",
+            class: "OutboxStore::claim",
+            property: "key order: rows held back behind a leased, backing-off or parked row do not take a claim's \
+                       places, however many wait: other keys and rows without a key are claimed, the held rows \
+                       stay untouched",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "claim_key_order_holds_under_concurrent_claims",
             class: "OutboxStore::claim",
             property: "key order under claimers running at once (leases held): the rows of a key are taken by one \
@@ -785,6 +794,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "claim_key_order_takes_a_prefix_per_key" => crate::order::takes_a_prefix_per_key(harness).await,
             "claim_key_order_blocked_middle_row_holds_back_the_rest_of_its_key" => {
                 crate::store_cases::blocked_middle_row_holds_back_the_rest_of_its_key(harness).await
+            }
+            "claim_key_order_held_key_does_not_crowd_out_other_keys" => {
+                crate::store_cases::held_key_does_not_crowd_out_other_keys(harness).await
             }
             "claim_key_order_holds_under_concurrent_claims" => {
                 crate::order::holds_under_concurrent_claims(harness).await

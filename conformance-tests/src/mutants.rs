@@ -58,6 +58,11 @@ pub enum Mutant {
     /// rows before that row too: a shortcut over a list of held keys that forgets where in the
     /// key the holding row is.
     ClaimHeldRowHoldsWholeKey,
+    /// Claim that picks its `limit` rows first and only then leaves out those held back by an
+    /// earlier row of their key: key order holds, but rows waiting behind a held row take the
+    /// claim's places, and with more of them than the limit the claim comes back empty while
+    /// other keys' rows are claimable.
+    ClaimLimitsBeforeHolds,
     /// Retention that deletes parked rows (dead letters awaiting an operator) along with old
     /// published ones.
     PurgeTakesParked,
@@ -118,7 +123,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 31] = [
+    pub const ALL: [Mutant; 32] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -127,6 +132,7 @@ impl Mutant {
         Mutant::ClaimChecksHeadAndPredecessorOnly,
         Mutant::ClaimIgnoresLeasedEarlierRow,
         Mutant::ClaimHeldRowHoldsWholeKey,
+        Mutant::ClaimLimitsBeforeHolds,
         Mutant::PurgeTakesParked,
         Mutant::PublishedOnClaim,
         Mutant::MarkerFirst,
@@ -204,6 +210,9 @@ impl fmt::Display for Mutant {
             Self::ClaimHeldRowHoldsWholeKey => {
                 "claim that holds back a whole key behind a held row (rows before it too)"
             }
+            Self::ClaimLimitsBeforeHolds => {
+                "claim that picks its limit of rows before leaving out those held back by their key"
+            }
             Self::PurgeTakesParked => "retention that deletes parked rows too",
             Self::PublishedOnClaim => "mark published before publishing",
             Self::MarkerFirst => "marker and effect in separate transactions (marker first)",
@@ -239,6 +248,8 @@ impl fmt::Display for Mutant {
 struct MutantStore {
     inner: MemoryOutbox,
     mode: Mutant,
+    /// What a parked row does to the later rows of its key in `inner`.
+    parked_head: ParkedHead,
     first_tokens: Mutex<std::collections::HashMap<RowId, u64>>,
     /// [`Mutant::ClaimIgnoresKeyOrder`]: the keys of the events, stored without them in `inner`
     /// (so its claim sees no key) and put back on everything read out.
@@ -246,8 +257,8 @@ struct MutantStore {
 }
 
 impl MutantStore {
-    fn new(inner: MemoryOutbox, mode: Mutant) -> Self {
-        Self { inner, mode, first_tokens: Mutex::default(), keys: Mutex::default() }
+    fn new(inner: MemoryOutbox, mode: Mutant, parked_head: ParkedHead) -> Self {
+        Self { inner, mode, parked_head, first_tokens: Mutex::default(), keys: Mutex::default() }
     }
 
     /// Put back the key [`Mutant::ClaimIgnoresKeyOrder`] kept from the inner store.
@@ -264,7 +275,9 @@ impl MutantStore {
     /// parked or backing off; a leased one does not count.
     /// [`Mutant::ClaimHeldRowHoldsWholeKey`]: release those with any other row of their key
     /// blocked, before or after them.
-    async fn head_and_predecessor_only(
+    /// [`Mutant::ClaimLimitsBeforeHolds`]: release those with any earlier row of their key
+    /// blocked (the rule is right; it comes after the limit).
+    async fn hold_back_after_claim(
         &self,
         claimed: Vec<Claimed>,
         before: &[RowSnapshot],
@@ -277,7 +290,7 @@ impl MutantStore {
             let leased_blocks = self.mode != Mutant::ClaimIgnoresLeasedEarlierRow;
             let blocked = |r: &RowSnapshot| match r.status {
                 RowStatus::Leased => leased_blocks,
-                RowStatus::Parked => true,
+                RowStatus::Parked => self.parked_head == ParkedHead::Block,
                 RowStatus::Pending => r.available_at.as_millis() > now,
                 RowStatus::Published => false,
             };
@@ -293,7 +306,7 @@ impl MutantStore {
                     .collect(),
                 None => Vec::new(),
             };
-            let holds_back = if leased_blocks && !whole_key {
+            let holds_back = if self.mode == Mutant::ClaimChecksHeadAndPredecessorOnly {
                 earlier.first().is_some_and(|r| blocked(r)) || earlier.last().is_some_and(|r| blocked(r))
             } else {
                 earlier.iter().any(|r| blocked(r))
@@ -345,6 +358,7 @@ impl OutboxStore for MutantStore {
                 | Mutant::ClaimChecksHeadAndPredecessorOnly
                 | Mutant::ClaimIgnoresLeasedEarlierRow
                 | Mutant::ClaimHeldRowHoldsWholeKey
+                | Mutant::ClaimLimitsBeforeHolds
         ) {
             return self.inner.enqueue(events).await;
         }
@@ -374,11 +388,12 @@ impl OutboxStore for MutantStore {
             Mutant::ClaimChecksHeadAndPredecessorOnly
                 | Mutant::ClaimIgnoresLeasedEarlierRow
                 | Mutant::ClaimHeldRowHoldsWholeKey
+                | Mutant::ClaimLimitsBeforeHolds
         );
         let before = if filtered { all_rows(&self.inner).await? } else { Vec::new() };
         let mut claimed = self.inner.claim(owner, limit, lease).await?;
         if filtered {
-            claimed = self.head_and_predecessor_only(claimed, &before, lease).await?;
+            claimed = self.hold_back_after_claim(claimed, &before, lease).await?;
         }
         match self.mode {
             Mutant::PublishedOnClaim => {
@@ -712,7 +727,8 @@ impl Harness for MutantHarness {
         let mode = self.0;
         let memory = MemoryInbox::new(Arc::new(clock.clone()));
         let parked_head = if mode == Mutant::ClaimSkipsParkedHead { ParkedHead::Skip } else { parked_head };
-        let store = MutantStore::new(MemoryOutbox::new(Arc::new(clock)).with_parked_head(parked_head), mode);
+        let store =
+            MutantStore::new(MemoryOutbox::new(Arc::new(clock)).with_parked_head(parked_head), mode, parked_head);
         let mem = MemoryBroker::new();
         let mut foreign: Arc<dyn ForeignWriter> = Arc::new(MemoryForeign(mem.clone()));
         let broker: Arc<dyn Broker> = match mode {

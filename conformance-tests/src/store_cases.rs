@@ -7,12 +7,19 @@
 //! two places after it has an unblocked predecessor and an unblocked head, and only the whole
 //! prefix rule ("every earlier unpublished row of its key is claimed in the same call") holds it
 //! back.
+//!
+//! A claim can also apply the key-order rule after it has picked its `limit` rows: key order
+//! holds, and every case with fewer rows behind a held row than a claim takes passes. With more,
+//! the rows waiting behind the held row fill the pick, all are dropped, and the claim comes back
+//! empty while another key's row is claimable, for as long as the row is held (a parked head:
+//! until an operator acts).
 
 use std::time::Duration;
 
-use outbox_core::{Event, EventId, ManualClock, Outcome, RowId};
+use outbox_core::store::all_rows;
+use outbox_core::{Event, EventId, ManualClock, Outcome, RowId, RowStatus};
 
-use crate::cases::CaseResult;
+use crate::cases::{CaseResult, describe, row_of};
 use crate::harness::Harness;
 use crate::world::{LEASE, unique_tag};
 
@@ -72,4 +79,102 @@ pub(crate) async fn blocked_middle_row_holds_back_the_rest_of_its_key<H: Harness
     let third = fx.store.claim("relay-C", 10, LEASE).await?;
     ensure!(CASE, ids(&third) == [k1, k2, k3], "after the backoff a claim returned {:?}", ids(&third));
     Ok(CaseResult::Passed("a row backing off in the middle of its key held back every later row of the key".into()))
+}
+
+/// Key order: "a row that backs off or is leased by another relay holds back only the later rows
+/// of its own key; other keys, and rows without a key, keep flowing", a parked head likewise
+/// under `ParkedHead::Block`, and "an empty result means nothing is claimable" — also when more
+/// rows wait behind each held row than the claim's limit.
+pub(crate) async fn held_key_does_not_crowd_out_other_keys<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "claim_key_order_held_key_does_not_crowd_out_other_keys";
+    const LIMIT: usize = 4;
+    /// Rows behind each held head: more than one claim takes.
+    const BEHIND: usize = LIMIT + 5;
+    const HELD: [&str; 3] = ["leased", "backing-off", "parked"];
+    let clock = ManualClock::default();
+    let fx = h.fixture(CASE, clock.clone()).await?;
+    let tag = unique_tag();
+    let event = |i: usize, key: Option<&str>| -> outbox_core::Result<Event> {
+        let e = Event::new(EventId::new(format!("{CASE}.{tag}.{i}"))?, fx.destination.clone(), vec![i as u8]);
+        Ok(match key {
+            Some(k) => e.with_key(k),
+            None => e,
+        })
+    };
+    // The heads of three keys: one stays leased by another relay, one backs off, one is parked.
+    let heads: Vec<Event> =
+        HELD.iter().enumerate().map(|(i, k)| event(i, Some(k))).collect::<outbox_core::Result<_>>()?;
+    let head_rows = fx.store.enqueue(&heads).await?;
+    let first = fx.store.claim("relay-A", HELD.len(), LEASE).await?;
+    ensure!(CASE, ids(&first) == head_rows, "a claim of 3 returned {:?}, expected {head_rows:?}", ids(&first));
+    let o = fx.store.fail(head_rows[1], &first[1].lease, BACKOFF, "broker down").await?;
+    ensure!(CASE, o == Outcome::Applied, "fail was {o:?}");
+    let o = fx.store.park(head_rows[2], &first[2].lease, "rejected by the broker").await?;
+    ensure!(CASE, o == Outcome::Applied, "park was {o:?}");
+    // Behind each held head more rows than a claim of LIMIT takes; then a row of another key and
+    // a row without a key.
+    let mut later: Vec<Event> = Vec::new();
+    for k in HELD {
+        for _ in 0..BEHIND {
+            later.push(event(HELD.len() + later.len(), Some(k))?);
+        }
+    }
+    later.push(event(HELD.len() + later.len(), Some("other"))?);
+    later.push(event(HELD.len() + later.len(), None)?);
+    let later_rows = fx.store.enqueue(&later).await?;
+    let flowing = &later_rows[later_rows.len() - 2..];
+    let claimed = fx.store.claim("relay-B", LIMIT, LEASE).await?;
+    ensure!(
+        CASE,
+        ids(&claimed) == flowing,
+        "behind a leased, a backing-off and a parked head wait {BEHIND} rows each; a claim of {LIMIT} returned {:?}, \
+         expected {flowing:?} (the row of key other and the row without a key): the rows held back by their key \
+         must not take the claim's places",
+        ids(&claimed)
+    );
+    // Read back: the two rows leased to relay-B, every held row and every row behind one as it was.
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let found = |e: &Event| row_of(&rows, e).ok_or_else(|| format!("{} is missing from the store", e.id));
+    for (e, c) in later[later.len() - 2..].iter().zip(&claimed) {
+        let r = match found(e) {
+            Ok(r) => r,
+            Err(m) => return Ok(CaseResult::fail(CASE, "", m)),
+        };
+        ensure!(
+            CASE,
+            r.status == RowStatus::Leased && r.owner.as_deref() == Some("relay-B") && r.token == c.lease.token,
+            "the claimed row reads back as {}, expected leased to relay-B with token {}",
+            describe(r),
+            c.lease.token
+        );
+    }
+    for e in &later[..later.len() - 2] {
+        let r = match found(e) {
+            Ok(r) => r,
+            Err(m) => return Ok(CaseResult::fail(CASE, "", m)),
+        };
+        ensure!(
+            CASE,
+            r.status == RowStatus::Pending && r.owner.is_none() && r.token == 0,
+            "a row behind a held head reads back as {}, expected pending, never claimed (token 0)",
+            describe(r)
+        );
+    }
+    let want = [RowStatus::Leased, RowStatus::Pending, RowStatus::Parked];
+    for ((e, want), c) in heads.iter().zip(want).zip(&first) {
+        let r = match found(e) {
+            Ok(r) => r,
+            Err(m) => return Ok(CaseResult::fail(CASE, "", m)),
+        };
+        ensure!(
+            CASE,
+            r.status == want && r.token == c.lease.token,
+            "a held head reads back as {}, expected {want:?} with relay-A's token {}",
+            describe(r),
+            c.lease.token
+        );
+    }
+    Ok(CaseResult::Passed(format!(
+        "{BEHIND} rows behind each of a leased, a backing-off and a parked head did not crowd out the other rows"
+    )))
 }

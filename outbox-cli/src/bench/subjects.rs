@@ -222,6 +222,37 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
             "P2",
             format!("both raw loops at once: raw SQL {} ev/s, raw publish {} ev/s", rate(sql_along), rate(publish_along)),
         );
+        // The adapter's publish_batch alone, as the relay calls it (batches of `batch`,
+        // `pipeline_depth` at once), to a queue of its own.
+        broker.delete(&raw_dest, std::slice::from_ref(&group)).await?;
+        broker.declare(&raw_dest, std::slice::from_ref(&group)).await?;
+        let adapter = raw::adapter_batches(&broker, &fixture::events(s, &raw_dest, s.events), s.batch, s.pipeline_depth)
+            .await?;
+        let adapter_depth = broker.queue_depth(&raw_dest, &group).await?;
+        if adapter_depth as usize != s.events {
+            return Err(fail(format!("{adapter_depth} messages in the adapter's queue, expected {}", s.events)));
+        }
+        say(
+            "P2",
+            format!(
+                "the adapter's publish_batch alone (batches of {}, {} at once, no store): {} ev/s",
+                s.batch,
+                s.pipeline_depth,
+                rate(adapter)
+            ),
+        );
+        // The same relay from the in-memory reference store (no database in its claims and
+        // completions), to a queue of its own: what the relay and the adapter do together.
+        broker.delete(&raw_dest, std::slice::from_ref(&group)).await?;
+        broker.declare(&raw_dest, std::slice::from_ref(&group)).await?;
+        let memory = outbox::core::memory::MemoryOutbox::new(Arc::new(outbox::core::SystemClock));
+        memory.enqueue(&fixture::events(s, &raw_dest, s.events)).await?;
+        let from_memory = relay_drain("P2 (memory store)", Arc::new(memory), Arc::new(broker.clone()), s, s.events).await?;
+        let memory_depth = broker.queue_depth(&raw_dest, &group).await?;
+        if memory_depth as usize != s.events {
+            return Err(fail(format!("{memory_depth} messages in the memory relay's queue, expected {}", s.events)));
+        }
+        say("P2", format!("the relay from the in-memory store: {} ev/s", rate(from_memory)));
         fx.fill(&events).await?;
         let measured = relay_drain("P2", Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
         let depth = broker.queue_depth(&dest, &group).await?;
@@ -233,6 +264,8 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
         let (base, mut parts) = min_of(("raw SQL", sql), ("raw publish", publish));
         parts.push(("raw SQL beside raw publish".to_string(), sql_along));
         parts.push(("raw publish beside raw SQL".to_string(), publish_along));
+        parts.push(("adapter publish_batch alone".to_string(), adapter));
+        parts.push(("relay from the in-memory store".to_string(), from_memory));
         Ok(vec![Row::new(
             "P2",
             "PostgreSQL -> RabbitMQ relay",
@@ -242,7 +275,8 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
             Some(0.8),
             format!(
                 "1 relay, {}, {} channels ({} per batch), {} queue; raw SQL {}, raw publish {} (window {}); both at \
-                 once: {} / {}",
+                 once: {} / {}; the adapter's publish_batch alone ({} at once): {}; the relay from the in-memory \
+                 store: {}",
                 relay_settings(s),
                 config.publish_channels(),
                 config.batch_channels(),
@@ -251,7 +285,10 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
                 rate(publish),
                 raw::AMQP_WINDOW,
                 rate(sql_along),
-                rate(publish_along)
+                rate(publish_along),
+                s.pipeline_depth,
+                rate(adapter),
+                rate(from_memory)
             ),
             parts,
             s.seed,

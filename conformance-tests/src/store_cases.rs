@@ -134,12 +134,16 @@ pub(crate) async fn held_key_does_not_crowd_out_other_keys<H: Harness>(h: &H) ->
     );
     // Read back: the two rows leased to relay-B, every held row and every row behind one as it was.
     let rows = all_rows(fx.store.as_ref()).await?;
-    let found = |e: &Event| row_of(&rows, e).ok_or_else(|| format!("{} is missing from the store", e.id));
-    for (e, c) in later[later.len() - 2..].iter().zip(&claimed) {
-        let r = match found(e) {
-            Ok(r) => r,
-            Err(m) => return Ok(CaseResult::fail(CASE, "", m)),
+    macro_rules! found {
+        ($e:expr) => {
+            match row_of(&rows, $e) {
+                Some(r) => r,
+                None => return Ok(CaseResult::fail(CASE, "", format!("{} is missing from the store", $e.id))),
+            }
         };
+    }
+    for (e, c) in later[later.len() - 2..].iter().zip(&claimed) {
+        let r = found!(e);
         ensure!(
             CASE,
             r.status == RowStatus::Leased && r.owner.as_deref() == Some("relay-B") && r.token == c.lease.token,
@@ -149,10 +153,7 @@ pub(crate) async fn held_key_does_not_crowd_out_other_keys<H: Harness>(h: &H) ->
         );
     }
     for e in &later[..later.len() - 2] {
-        let r = match found(e) {
-            Ok(r) => r,
-            Err(m) => return Ok(CaseResult::fail(CASE, "", m)),
-        };
+        let r = found!(e);
         ensure!(
             CASE,
             r.status == RowStatus::Pending && r.owner.is_none() && r.token == 0,
@@ -162,10 +163,7 @@ pub(crate) async fn held_key_does_not_crowd_out_other_keys<H: Harness>(h: &H) ->
     }
     let want = [RowStatus::Leased, RowStatus::Pending, RowStatus::Parked];
     for ((e, want), c) in heads.iter().zip(want).zip(&first) {
-        let r = match found(e) {
-            Ok(r) => r,
-            Err(m) => return Ok(CaseResult::fail(CASE, "", m)),
-        };
+        let r = found!(e);
         ensure!(
             CASE,
             r.status == want && r.token == c.lease.token,

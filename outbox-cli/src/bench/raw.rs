@@ -318,7 +318,8 @@ pub(crate) async fn redis_xadd(url: &str, stream: &str, events: &[Event], batch:
 /// The broker adapter alone, in the relay's shape: [`Broker::publish_batch`](outbox::Broker)
 /// over `events` in batches of `batch`, `depth` batches at once, no store. Every event must be
 /// accepted. It separates what the adapter's way of publishing a batch can do from what the
-/// relay around it costs.
+/// relay around it costs. Unlike the relay's, batches in flight here may share keys: a key's
+/// order across them is not kept, which a throughput figure does not need.
 pub(crate) async fn adapter_batches(
     broker: &dyn outbox::Broker,
     events: &[Event],

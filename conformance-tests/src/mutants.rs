@@ -248,8 +248,6 @@ impl fmt::Display for Mutant {
 struct MutantStore {
     inner: MemoryOutbox,
     mode: Mutant,
-    /// What a parked row does to the later rows of its key in `inner`.
-    parked_head: ParkedHead,
     first_tokens: Mutex<std::collections::HashMap<RowId, u64>>,
     /// [`Mutant::ClaimIgnoresKeyOrder`]: the keys of the events, stored without them in `inner`
     /// (so its claim sees no key) and put back on everything read out.
@@ -257,8 +255,8 @@ struct MutantStore {
 }
 
 impl MutantStore {
-    fn new(inner: MemoryOutbox, mode: Mutant, parked_head: ParkedHead) -> Self {
-        Self { inner, mode, parked_head, first_tokens: Mutex::default(), keys: Mutex::default() }
+    fn new(inner: MemoryOutbox, mode: Mutant) -> Self {
+        Self { inner, mode, first_tokens: Mutex::default(), keys: Mutex::default() }
     }
 
     /// Put back the key [`Mutant::ClaimIgnoresKeyOrder`] kept from the inner store.
@@ -290,7 +288,7 @@ impl MutantStore {
             let leased_blocks = self.mode != Mutant::ClaimIgnoresLeasedEarlierRow;
             let blocked = |r: &RowSnapshot| match r.status {
                 RowStatus::Leased => leased_blocks,
-                RowStatus::Parked => self.parked_head == ParkedHead::Block,
+                RowStatus::Parked => self.inner.parked_head() == ParkedHead::Block,
                 RowStatus::Pending => r.available_at.as_millis() > now,
                 RowStatus::Published => false,
             };
@@ -727,8 +725,7 @@ impl Harness for MutantHarness {
         let mode = self.0;
         let memory = MemoryInbox::new(Arc::new(clock.clone()));
         let parked_head = if mode == Mutant::ClaimSkipsParkedHead { ParkedHead::Skip } else { parked_head };
-        let store =
-            MutantStore::new(MemoryOutbox::new(Arc::new(clock)).with_parked_head(parked_head), mode, parked_head);
+        let store = MutantStore::new(MemoryOutbox::new(Arc::new(clock)).with_parked_head(parked_head), mode);
         let mem = MemoryBroker::new();
         let mut foreign: Arc<dyn ForeignWriter> = Arc::new(MemoryForeign(mem.clone()));
         let broker: Arc<dyn Broker> = match mode {

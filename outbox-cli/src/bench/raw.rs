@@ -13,7 +13,7 @@ use outbox::sqlite::SqliteStore;
 use outbox::sqlite::rusqlite::{self, TransactionBehavior};
 use outbox::{ConsumerGroup, Destination, Error, ErrorKind, Event, Result};
 
-use super::fixture::{LEASE, PgFixture, fail, per_second};
+use super::fixture::{DRAIN_LIMIT, LEASE, PgFixture, fail, per_second};
 
 /// Owner name of the raw loops (12 bytes, like a relay's).
 const OWNER: &str = "raw-bench-01";
@@ -327,11 +327,13 @@ pub(crate) async fn adapter_batches(
     depth: usize,
 ) -> Result<f64> {
     let t = Instant::now();
-    let results: Vec<Vec<Result<()>>> = futures::stream::iter(events.chunks(batch.max(1)))
+    let publishes = futures::stream::iter(events.chunks(batch.max(1)))
         .map(|chunk| broker.publish_batch(chunk))
         .buffer_unordered(depth.max(1))
-        .collect()
-        .await;
+        .collect::<Vec<Vec<Result<()>>>>();
+    let results = tokio::time::timeout(DRAIN_LIMIT, publishes)
+        .await
+        .map_err(|_| fail(format!("the adapter did not publish {} events within {DRAIN_LIMIT:?}", events.len())))?;
     let elapsed = t.elapsed();
     for r in results.into_iter().flatten() {
         r?;

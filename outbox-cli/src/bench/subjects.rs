@@ -89,6 +89,32 @@ fn add(total: &mut BatchReport, r: &BatchReport) {
     total.refused += r.refused;
 }
 
+/// Empty `destination`'s queue for `group`: delete it and declare it again.
+async fn empty_queue(
+    broker: &outbox::amqp::AmqpBroker,
+    destination: &Destination,
+    group: &ConsumerGroup,
+) -> Result<()> {
+    broker.delete(destination, std::slice::from_ref(group)).await?;
+    broker.declare(destination, std::slice::from_ref(group)).await
+}
+
+/// Fail unless `destination`'s queue for `group` (`what`, in the error) holds exactly `n`
+/// messages.
+async fn expect_depth(
+    broker: &outbox::amqp::AmqpBroker,
+    destination: &Destination,
+    group: &ConsumerGroup,
+    n: usize,
+    what: &str,
+) -> Result<()> {
+    let depth = broker.queue_depth(destination, group).await?;
+    if depth as usize != n {
+        return Err(fail(format!("{depth} messages in {what}, expected {n}")));
+    }
+    Ok(())
+}
+
 fn destination(s: &Settings, tag: &str) -> Result<Destination> {
     Destination::new(format!("bench_{tag}_{}", s.run_id))
 }
@@ -210,8 +236,7 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
         // Both raw loops at once, as the relay runs them: PostgreSQL's commits and RabbitMQ's
         // persistence share the machine's disk, so each alone says little about what the pair
         // can do together. Reported beside the goal's baseline, not instead of it.
-        broker.delete(&raw_dest, std::slice::from_ref(&group)).await?;
-        broker.declare(&raw_dest, std::slice::from_ref(&group)).await?;
+        empty_queue(&broker, &raw_dest, &group).await?;
         fx.fill(&events).await?;
         let (sql_along, publish_along) = tokio::join!(
             raw::pg_sql(&fx, s.events, s.batch),
@@ -224,14 +249,10 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
         );
         // The adapter's publish_batch alone, as the relay calls it (batches of `batch`,
         // `pipeline_depth` at once), to a queue of its own.
-        broker.delete(&raw_dest, std::slice::from_ref(&group)).await?;
-        broker.declare(&raw_dest, std::slice::from_ref(&group)).await?;
-        let adapter = raw::adapter_batches(&broker, &fixture::events(s, &raw_dest, s.events), s.batch, s.pipeline_depth)
-            .await?;
-        let adapter_depth = broker.queue_depth(&raw_dest, &group).await?;
-        if adapter_depth as usize != s.events {
-            return Err(fail(format!("{adapter_depth} messages in the adapter's queue, expected {}", s.events)));
-        }
+        let raw_events = fixture::events(s, &raw_dest, s.events);
+        empty_queue(&broker, &raw_dest, &group).await?;
+        let adapter = raw::adapter_batches(&broker, &raw_events, s.batch, s.pipeline_depth).await?;
+        expect_depth(&broker, &raw_dest, &group, s.events, "the adapter's queue").await?;
         say(
             "P2",
             format!(
@@ -243,22 +264,15 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
         );
         // The same relay from the in-memory reference store (no database in its claims and
         // completions), to a queue of its own: what the relay and the adapter do together.
-        broker.delete(&raw_dest, std::slice::from_ref(&group)).await?;
-        broker.declare(&raw_dest, std::slice::from_ref(&group)).await?;
+        empty_queue(&broker, &raw_dest, &group).await?;
         let memory = outbox::core::memory::MemoryOutbox::new(Arc::new(outbox::core::SystemClock));
-        memory.enqueue(&fixture::events(s, &raw_dest, s.events)).await?;
+        memory.enqueue(&raw_events).await?;
         let from_memory = relay_drain("P2 (memory store)", Arc::new(memory), Arc::new(broker.clone()), s, s.events).await?;
-        let memory_depth = broker.queue_depth(&raw_dest, &group).await?;
-        if memory_depth as usize != s.events {
-            return Err(fail(format!("{memory_depth} messages in the memory relay's queue, expected {}", s.events)));
-        }
+        expect_depth(&broker, &raw_dest, &group, s.events, "the memory relay's queue").await?;
         say("P2", format!("the relay from the in-memory store: {} ev/s", rate(from_memory)));
         fx.fill(&events).await?;
         let measured = relay_drain("P2", Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
-        let depth = broker.queue_depth(&dest, &group).await?;
-        if depth as usize != s.events {
-            return Err(fail(format!("{depth} messages in the queue, expected {}", s.events)));
-        }
+        expect_depth(&broker, &dest, &group, s.events, "the queue").await?;
         fx.check_published(s.events, "relay").await?;
         say("P2", format!("relay {} ev/s", rate(measured)));
         let (base, mut parts) = min_of(("raw SQL", sql), ("raw publish", publish));

@@ -29,11 +29,12 @@ pub(crate) struct RelayArgs {
     /// re-claimed it) the relay claims half as many, and grows back as batches fit the lease.
     #[arg(long, allow_negative_numbers = true, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     batch: u32,
-    /// Batches between their claim and their recorded outcomes at once: with 2, the next batch
-    /// is claimed while this one publishes and this one completes while the next publishes; 1
-    /// runs claim, publish and complete one after another. Deeper helps a broker bound by
-    /// confirm latency (RabbitMQ: 4) and may cost a relay whose store is its limit (README). Keep
-    /// depth × (publish time of a batch) well under the lease.
+    /// Batches at the broker at once: with 2, the next batch publishes while this one waits for
+    /// its acknowledgements, one more is claimed ahead, and each completes as its publish ends
+    /// (up to 2 × depth + 1 between claim and recorded outcome); 1 runs claim, publish and
+    /// complete one after another. Deeper helps a broker bound by confirm latency (RabbitMQ) and
+    /// may cost a relay whose store is its limit (README). Keep 2 × (publish time of a batch)
+    /// well under the lease.
     #[arg(long, allow_negative_numbers = true, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pipeline_depth: u32,
     /// Ignored (kept so existing command lines still parse): the broker's batching now decides

@@ -12,8 +12,23 @@
 //! server idles while the others work (measured: the relay at 0.3 cores, PostgreSQL idle more
 //! than half the time). So the three stages run at once, connected by bounded queues: the next
 //! batch is claimed while this one publishes, and a batch's outcomes are recorded while the next
-//! one publishes. At most [`RelayConfig::pipeline_depth`] batches are between their claim and
-//! their recorded outcomes; depth 1 is the serial relay.
+//! one publishes. At most [`RelayConfig::pipeline_depth`] batches (`d`) are at the broker at
+//! once; depth 1 is the serial relay.
+//!
+//! # Why the broker's slots hold only publishes
+//!
+//! A batch takes a slot at the broker only for its publish: it is claimed ahead (at most one
+//! batch waits, claimed, for a slot to free) and its outcomes are recorded after it has left the
+//! broker. When a slot also covered the claim and the completion, a broker whose publishes take
+//! longer than the database's statements saw fewer than `d` batches: with RabbitMQ at depth 2
+//! about 7 ms of every 24 ms slot went to PostgreSQL (measured in `outbox bench` P2; Kafka's P3
+//! gained a quarter, RabbitMQ's P2 an eighth by the change, the rest unchanged; docs/bench.md).
+//! So a batch holds two permits: one of `d + 1` from before its claim until its publish ends,
+//! and one of `2d + 1` from before its claim until its outcomes are recorded, which bounds the
+//! leases a relay holds and the completions waiting. A claim that runs further ahead does not
+//! help: every leased row makes the next claims walk further (measured on P1, Redis: with `2d`
+//! batches claimed ahead, claims took an eighth longer, completions half again as long, and the
+//! relay lost a tenth).
 //!
 //! Nothing about a row changes: every transition after the claim is conditional on the claim's
 //! token, whichever stage makes it. Per-key order holds because a store's claim never returns a
@@ -25,13 +40,13 @@
 //!
 //! # Lease safety
 //!
-//! A claimed batch's publish starts as soon as it reaches the publish stage, and its outcomes
-//! are recorded as soon as its publish ends, so its lease must outlast one publish plus the
-//! completion (the completion stage records one batch at a time, so up to `pipeline_depth`
-//! completions may be ahead of it). The publish stage still checks: a batch that waited for half
-//! its lease or more before its publish began is released unpublished (counted as released,
-//! logged as a warning), never published on a lease that may already be gone. With the defaults
-//! (30 s lease, depth 2, batches of 100) that takes a stall of 15 s.
+//! A claimed batch's publish starts as soon as a slot at the broker frees (at most one publish
+//! later), and its outcomes are recorded as soon as its publish ends, so its lease must outlast
+//! two publishes plus the completion (the completion stage records one batch at a time, so up to
+//! `2d` completions may be ahead of it). The publish stage still checks: a batch that waited for
+//! half its lease or more before its publish began is released unpublished (counted as
+//! released, logged as a warning), never published on a lease that may already be gone. With
+//! the defaults (30 s lease, depth 2, batches of 100) that takes a stall of 15 s.
 //!
 //! # Why the batch shrinks
 //!
@@ -153,13 +168,14 @@ pub struct RelayConfig {
     /// flight (the default `publish_batch` runs up to 16 keys at once; one key is always
     /// sequential).
     pub concurrency: usize,
-    /// Batches between their claim and their recorded outcomes at once (at least 1). With 2, the
-    /// next batch is claimed and published while this one's publish is still waiting for the
-    /// broker's acknowledgements, and each batch's outcomes are recorded as its publish ends; 1
-    /// is the serial relay (claim, publish, complete, then the next claim). [`Relay::run_once`]
-    /// is always one batch. Keep one batch's publish time well under [`lease`](Self::lease): a
-    /// batch that waited in the pipeline for half its lease is released unpublished (see the
-    /// module docs).
+    /// Batches at the broker at once (at least 1). With 2, the next batch is published while
+    /// this one's publish is still waiting for the broker's acknowledgements; one more batch is
+    /// claimed ahead to take the next free place, and each batch's outcomes are recorded as its
+    /// publish ends, so up to `2 × pipeline_depth + 1` batches are between their claim and their
+    /// recorded outcomes. 1 is the serial relay (claim, publish, complete, then the next claim).
+    /// [`Relay::run_once`] is always one batch. Keep one batch's publish time well under
+    /// [`lease`](Self::lease): a batch that waited in the pipeline for half its lease is released
+    /// unpublished (see the module docs).
     pub pipeline_depth: usize,
     /// Failed attempts after which a row is parked.
     pub max_attempts: u32,
@@ -603,19 +619,22 @@ impl Relay {
         Ok(self.totals())
     }
 
-    /// The three stages, run at once in this task and connected by bounded queues; a semaphore
-    /// of `pipeline_depth` slots bounds the batches between claim and recorded outcomes (a slot
-    /// is taken before the claim and given back after the outcomes are recorded).
+    /// The three stages, run at once in this task and connected by bounded queues. Two
+    /// semaphores bound the batches (module docs, "Why the broker's slots hold only publishes"):
+    /// `unpublished` from before the claim until the publish ends, `slots` from before the claim until
+    /// the outcomes are recorded; the publish stage runs at most `pipeline_depth` publishes.
     ///
     /// Returns once every claimed batch is settled: the claim stage stops (idle, shutdown,
     /// refusal, error, or its one batch), the queues drain, the stages end in order.
     async fn pipeline(&self, until: Until, wakeup: Option<&mut Wakeup>) -> (BatchReport, Stop) {
         let depth = self.config.pipeline_depth.clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
-        let slots = Semaphore::new(depth);
+        let (unpublished, total) = Self::bounds(depth);
+        let slots = Semaphore::new(total);
+        let unpublished = Semaphore::new(unpublished);
         let refused = AtomicBool::new(false);
-        let (slots, refused) = (&slots, &refused);
-        let (to_publish, mut claimed) = mpsc::channel::<(Batch, SemaphorePermit<'_>)>(depth);
-        let (to_settle, mut decided) = mpsc::channel::<(Decided, SemaphorePermit<'_>)>(depth);
+        let (slots, unpublished, refused) = (&slots, &unpublished, &refused);
+        let (to_publish, mut claimed) = mpsc::channel::<(Batch, SemaphorePermit<'_>, SemaphorePermit<'_>)>(total);
+        let (to_settle, mut decided) = mpsc::channel::<(Decided, SemaphorePermit<'_>)>(total);
 
         let claim_stage = async move {
             let mut wakeup = wakeup;
@@ -635,11 +654,12 @@ impl Relay {
                 if settle_first {
                     settle_first = false;
                     // Closed never: the semaphore lives as long as this future.
-                    drop(slots.acquire_many(depth as u32).await);
+                    drop(slots.acquire_many(total as u32).await);
                     continue;
                 }
                 let Ok(slot) = slots.acquire().await else { return Stop::Idle };
-                // The wait for a slot may have been long: look at the flags again.
+                let Ok(early) = unpublished.acquire().await else { return Stop::Idle };
+                // The wait for the permits may have been long: look at the flags again.
                 if self.shutdown.is_triggered() {
                     return Stop::Shutdown;
                 }
@@ -648,7 +668,7 @@ impl Relay {
                 }
                 // Nothing else between claim and settled: a claim that finds nothing now means
                 // the relay is idle.
-                let alone = slots.available_permits() + 1 == depth;
+                let alone = slots.available_permits() + 1 == total;
                 // Whatever was signalled so far is visible to the claim that follows.
                 if let Some(w) = wakeup.as_deref_mut() {
                     w.mark_seen();
@@ -677,13 +697,14 @@ impl Relay {
                 let n = rows.len() as u64;
                 self.counters.claimed.fetch_add(n, Ordering::Relaxed);
                 self.meters.claimed.increment(n);
-                if to_publish.send((Batch { rows, span, started }, slot)).await.is_err() {
+                if to_publish.send((Batch { rows, span, started }, slot, early)).await.is_err() {
                     return Stop::Idle; // the publish stage is gone: cannot happen while joined
                 }
             }
         };
 
-        // Publishes of claimed batches run at once (up to `depth`, bounded by the slots): the
+        // Publishes of claimed batches run at once (up to `depth`; a batch claimed ahead waits in
+        // the queue for a place, its `early` permit keeping the claim stage one batch ahead): the
         // batches in flight never share a key, so their messages may be in flight together.
         // Each batch's outcomes go to the completion stage as soon as its publish ends, so a slow
         // batch does not hold back the completions (and leases) of the ones claimed after it.
@@ -699,11 +720,13 @@ impl Relay {
                             break;
                         }
                     }
-                    next = claimed.recv(), if open => match next {
-                        Some((batch, slot)) => {
+                    next = claimed.recv(), if open && publishing.len() < depth => match next {
+                        Some((batch, slot, early)) => {
                             let span = batch.span.clone();
                             publishing.push(async move {
-                                (self.publish(batch, refused).instrument(span).await, slot)
+                                let d = self.publish(batch, refused).instrument(span).await;
+                                drop(early);
+                                (d, slot)
                             });
                         }
                         None => open = false,
@@ -725,6 +748,12 @@ impl Relay {
 
         let (stop, (), total) = tokio::join!(claim_stage, publish_stage, settle_stage);
         (total, stop)
+    }
+
+    /// Permits of the pipeline at `depth` batches at the broker: (claimed and not yet published,
+    /// claimed and not yet settled). Depth 1 is the serial relay: one batch from claim to settled.
+    fn bounds(depth: usize) -> (usize, usize) {
+        if depth <= 1 { (1, 1) } else { (depth + 1, 2 * depth + 1) }
     }
 
     /// The publish stage for one batch: hand the whole batch to [`Broker::publish_batch`] (rows

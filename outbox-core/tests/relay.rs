@@ -327,11 +327,13 @@ async fn permanent_failure_parks_at_once_and_outcome_unknown_is_offered_again() 
 }
 
 /// Shutdown while two batches are at the broker (the second was claimed and published while the
-/// first still waited): both finish and are completed, nothing else is claimed, no lease is left.
+/// first still waited) and a third waits, claimed ahead, for a place: the two finish and are
+/// completed, the third is released unpublished (no attempt counted), nothing else is claimed,
+/// no lease is left.
 #[tokio::test]
-async fn graceful_shutdown_finishes_the_publishes_in_flight_and_claims_nothing_more() {
+async fn graceful_shutdown_finishes_the_publishes_in_flight_and_releases_the_batch_claimed_ahead() {
     let (_clock, store, broker) = setup().await;
-    let events: Vec<Event> = (1..=3).map(|i| event(&format!("e{i}"))).collect();
+    let events: Vec<Event> = (1..=5).map(|i| event(&format!("e{i}"))).collect();
     store.enqueue(&events).await.unwrap();
     let gate = Gate::new();
     let flaky = Arc::new(Flaky { gate: Some(gate.clone()), ..Flaky::new(broker.clone()) });
@@ -345,13 +347,18 @@ async fn graceful_shutdown_finishes_the_publishes_in_flight_and_claims_nothing_m
         let relay = relay.clone();
         async move { relay.run().await.unwrap() }
     });
-    // The second batch reaches the broker while the first is still there.
-    wait_until(|| flaky.batches().len() == 2).await;
-    assert_eq!(relay.totals().claimed, 2);
+    // The second batch reaches the broker while the first is still there, and a third is
+    // claimed ahead; it waits for a place at the broker (depth 2), and no fourth is claimed.
+    wait_until(|| flaky.batches().len() >= 2 && relay.totals().claimed >= 3).await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(relay.totals().claimed, 3, "one batch claimed ahead, not more");
+    assert_eq!(flaky.batches().len(), 2, "two batches at the broker at depth 2");
     shutdown.trigger();
     gate.open.add_permits(2);
     let totals = within("the relay stopping after shutdown", running).await.unwrap();
-    assert_eq!((totals.claimed, totals.published, totals.released), (2, 2, 0), "{totals:?}");
+    assert_eq!((totals.claimed, totals.published, totals.released), (3, 2, 1), "{totals:?}");
     assert_eq!(flaky.batches(), [vec!["e1"], vec!["e2"]], "one batch per claim, in claim order");
 
     let rows = all_rows(&store).await.unwrap();
@@ -359,17 +366,20 @@ async fn graceful_shutdown_finishes_the_publishes_in_flight_and_claims_nothing_m
         assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{r:?}");
     }
     assert_eq!(
-        (rows[2].status, rows[2].token, rows[2].owner.as_deref()),
-        (RowStatus::Pending, 0, None),
-        "e3 was never claimed"
+        (rows[2].status, rows[2].token, rows[2].attempts, rows[2].owner.as_deref()),
+        (RowStatus::Pending, 1, 0, None),
+        "e3 was claimed ahead, then released without an attempt"
     );
+    for r in &rows[3..] {
+        assert_eq!((r.status, r.token, r.owner.as_deref()), (RowStatus::Pending, 0, None), "never claimed: {r:?}");
+    }
     let mut ids = log_ids(&broker);
     ids.sort();
     assert_eq!(ids, ["e1", "e2"]);
-    // Another relay picks up the rest at once.
+    // Another relay picks up the rest at once, in order.
     let other = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("r2"));
-    assert_eq!(other.drain().await.unwrap().published, 1);
-    assert_eq!(log_ids(&broker).last().map(String::as_str), Some("e3"));
+    assert_eq!(other.drain().await.unwrap().published, 3);
+    assert_eq!(log_ids(&broker)[2..], ["e3", "e4", "e5"]);
 }
 
 /// A batch whose claim returns after shutdown began is released unpublished (no attempt
@@ -829,12 +839,13 @@ async fn skipped_rows_count_no_attempt() {
     assert_eq!(first_offers_by_key(&broker)["a"], ["a1", "a2"]);
 }
 
-/// Shutdown with three batches at the broker at once (depth 3): all three finish and are
-/// completed, the unclaimed rows stay untouched, and another relay then publishes the rest once.
+/// Shutdown with three batches at the broker at once (depth 3) and one claimed ahead: the three
+/// finish and are completed, the one ahead is released, the unclaimed rows stay untouched, and
+/// another relay then publishes the rest once.
 #[tokio::test]
 async fn shutdown_with_batches_in_flight_loses_nothing() {
     let (_clock, store, broker) = setup().await;
-    let events: Vec<Event> = (1..=8).map(|i| event(&format!("e{i}"))).collect();
+    let events: Vec<Event> = (1..=12).map(|i| event(&format!("e{i}"))).collect();
     store.enqueue(&events).await.unwrap();
     let gate = Gate::new();
     let flaky = Arc::new(Flaky { gate: Some(gate.clone()), ..Flaky::new(broker.clone()) });
@@ -847,28 +858,36 @@ async fn shutdown_with_batches_in_flight_loses_nothing() {
         let relay = relay.clone();
         async move { relay.run().await.unwrap() }
     });
-    wait_until(|| flaky.batches().len() == 3).await;
-    assert_eq!(relay.totals().claimed, 6, "no fourth claim while three batches are in flight");
+    wait_until(|| flaky.batches().len() >= 3 && relay.totals().claimed >= 8).await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(relay.totals().claimed, 8, "three batches at the broker and one claimed ahead, no fifth claim");
+    assert_eq!(flaky.batches().len(), 3, "no fourth batch at the broker at depth 3");
     relay.shutdown_handle().trigger();
     gate.open.add_permits(3);
     let totals = within("the relay stopping", running).await.unwrap();
-    assert_eq!((totals.claimed, totals.published, totals.released, totals.fenced), (6, 6, 0, 0), "{totals:?}");
+    assert_eq!((totals.claimed, totals.published, totals.released, totals.fenced), (8, 6, 2, 0), "{totals:?}");
     assert_eq!(flaky.batches(), [vec!["e1", "e2"], vec!["e3", "e4"], vec!["e5", "e6"]]);
 
     let rows = all_rows(&store).await.unwrap();
     for r in &rows {
         let n: usize = r.event.id.as_str()[1..].parse().unwrap();
-        let (status, token) = if n <= 6 { (RowStatus::Published, 1) } else { (RowStatus::Pending, 0) };
+        let (status, token) = match n {
+            1..=6 => (RowStatus::Published, 1),
+            7..=8 => (RowStatus::Pending, 1),
+            _ => (RowStatus::Pending, 0),
+        };
         assert_eq!((r.status, r.token, r.attempts), (status, token, 0), "{r:?}");
         if status == RowStatus::Pending {
             assert_eq!(r.owner, None, "no lease left behind: {r:?}");
         }
     }
     let other = Relay::new(Arc::new(store.clone()), Arc::new(broker.clone()), config("r2"));
-    assert_eq!(other.drain().await.unwrap().published, 2);
+    assert_eq!(other.drain().await.unwrap().published, 6);
     let mut ids = log_ids(&broker);
-    ids.sort();
-    assert_eq!(ids, (1..=8).map(|i| format!("e{i}")).collect::<Vec<_>>(), "each once");
+    ids.sort_by_key(|id| id[1..].parse::<usize>().unwrap());
+    assert_eq!(ids, (1..=12).map(|i| format!("e{i}")).collect::<Vec<_>>(), "each once");
 }
 
 /// A `metrics` recorder that keeps every counter and histogram, keyed `name{label=value,...}`.

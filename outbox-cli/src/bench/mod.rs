@@ -42,8 +42,8 @@ pub(crate) struct BenchArgs {
     /// Distinct event keys (aggregates); events are spread over them by the seed.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     keys: u32,
-    /// Batches a relay has between claim and recorded outcome (`RelayConfig::pipeline_depth`; 1:
-    /// claim, publish and complete one after another).
+    /// Batches a relay has at the broker at once (`RelayConfig::pipeline_depth`; one more is
+    /// claimed ahead; 1: claim, publish and complete one after another).
     #[arg(long, allow_negative_numbers = true, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pipeline_depth: u32,
     /// Deliveries in flight in P6, for the consumer and for the hand-written loop alike.

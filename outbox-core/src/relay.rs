@@ -38,6 +38,17 @@
 //! bound by confirm latency (RabbitMQ's publisher confirms, Kafka's acks) sees `pipeline_depth`
 //! batches in flight instead of one.
 //!
+//! # One writer
+//!
+//! On a store whose writes run one at a time ([`OutboxStore::one_writer`], SQLite) the batches
+//! claimed ahead only wait for the writer, and their leased rows make every claim walk further:
+//! measured with an instant broker on SQLite (`outbox bench` P5), the relay did 41.2k–46.4k
+//! events/s with claims ahead against 42.6k–47.9k without, claims taking 1.9–2.1 ms against
+//! 1.3–1.4 ms. So on such a store no batch is claimed ahead and a batch holds its place from its
+//! claim until its outcomes are recorded: at most `d` batches between claim and outcome, as
+//! before the change above. (Claim and completion simply taking turns in the relay kept the
+//! claims ahead and gave 42.6k–44.7k.)
+//!
 //! # Lease safety
 //!
 //! A claimed batch's publish starts as soon as a slot at the broker frees (at most one publish
@@ -172,7 +183,9 @@ pub struct RelayConfig {
     /// this one's publish is still waiting for the broker's acknowledgements; one more batch is
     /// claimed ahead to take the next free place, and each batch's outcomes are recorded as its
     /// publish ends, so up to `2 × pipeline_depth + 1` batches are between their claim and their
-    /// recorded outcomes. 1 is the serial relay (claim, publish, complete, then the next claim).
+    /// recorded outcomes (on a store with [one writer](OutboxStore::one_writer): none claimed
+    /// ahead, at most `pipeline_depth`). 1 is the serial relay (claim, publish, complete, then
+    /// the next claim).
     /// [`Relay::run_once`] is always one batch. Keep one batch's publish time well under
     /// [`lease`](Self::lease): a batch that waited in the pipeline for half its lease is released
     /// unpublished (see the module docs).
@@ -628,7 +641,7 @@ impl Relay {
     /// refusal, error, or its one batch), the queues drain, the stages end in order.
     async fn pipeline(&self, until: Until, wakeup: Option<&mut Wakeup>) -> (BatchReport, Stop) {
         let depth = self.config.pipeline_depth.clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
-        let (unpublished, total) = Self::bounds(depth);
+        let (unpublished, total) = Self::bounds(depth, self.store.one_writer());
         let slots = Semaphore::new(total);
         let unpublished = Semaphore::new(unpublished);
         let refused = AtomicBool::new(false);
@@ -752,8 +765,13 @@ impl Relay {
 
     /// Permits of the pipeline at `depth` batches at the broker: (claimed and not yet published,
     /// claimed and not yet settled). Depth 1 is the serial relay: one batch from claim to settled.
-    fn bounds(depth: usize) -> (usize, usize) {
-        if depth <= 1 { (1, 1) } else { (depth + 1, 2 * depth + 1) }
+    /// On a store with one writer no batch is claimed ahead (module docs, "One writer").
+    fn bounds(depth: usize, one_writer: bool) -> (usize, usize) {
+        match depth {
+            0 | 1 => (1, 1),
+            _ if one_writer => (depth, depth),
+            _ => (depth + 1, 2 * depth + 1),
+        }
     }
 
     /// The publish stage for one batch: hand the whole batch to [`Broker::publish_batch`] (rows

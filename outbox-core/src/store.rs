@@ -324,6 +324,20 @@ pub trait OutboxStore: Send + Sync {
     fn wakeup(&self) -> Option<Wakeup> {
         None
     }
+
+    /// Whether this store's writes run one at a time whoever sends them (SQLite: one writer per
+    /// database file), so that two of a relay's statements at once only wait for each other.
+    ///
+    /// # Behavior
+    /// - the default returns `false`: statements at once may run at once (PostgreSQL);
+    /// - a hint for throughput, not part of the contract: with `true`, a [`Relay`](crate::Relay)
+    ///   claims no batch ahead of its places at the broker (at most
+    ///   [`pipeline_depth`](crate::RelayConfig::pipeline_depth) batches between claim and recorded
+    ///   outcome), and every rule of the other methods holds either way;
+    /// - a decorator around a store returns its inner store's answer.
+    fn one_writer(&self) -> bool {
+        false
+    }
 }
 
 /// The operator's side of an outbox: dead-lettered (parked) rows, counts for dashboards, and

@@ -763,6 +763,12 @@ impl OutboxStore for SqliteStore {
     fn wakeup(&self) -> Option<Wakeup> {
         Some(self.wakeup.subscribe())
     }
+
+    /// Yes: SQLite has one writer per database file, and this store's writes take turns in the
+    /// process; a relay then claims only after recording its outcomes.
+    fn one_writer(&self) -> bool {
+        true
+    }
 }
 
 #[async_trait]

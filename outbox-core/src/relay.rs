@@ -22,7 +22,8 @@
 //! broker. When a slot also covered the claim and the completion, a broker whose publishes take
 //! longer than the database's statements saw fewer than `d` batches: with RabbitMQ at depth 2
 //! about 7 ms of every 24 ms slot went to PostgreSQL (measured in `outbox bench` P2; Kafka's P3
-//! gained a quarter, RabbitMQ's P2 an eighth by the change, the rest unchanged; docs/bench.md).
+//! gained a quarter, RabbitMQ's P2 an eighth by the change; Redis's P1 perhaps lost a twelfth;
+//! docs/bench.md).
 //! So a batch holds two permits: one of `d + 1` from before its claim until its publish ends,
 //! and one of `2d + 1` from before its claim until its outcomes are recorded, which bounds the
 //! leases a relay holds and the completions waiting. A claim that runs further ahead does not
@@ -640,14 +641,15 @@ impl Relay {
     /// Returns once every claimed batch is settled: the claim stage stops (idle, shutdown,
     /// refusal, error, or its one batch), the queues drain, the stages end in order.
     async fn pipeline(&self, until: Until, wakeup: Option<&mut Wakeup>) -> (BatchReport, Stop) {
-        let depth = self.config.pipeline_depth.clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
-        let (unpublished, total) = Self::bounds(depth, self.store.one_writer());
-        let slots = Semaphore::new(total);
+        // 2 × depth + 1 permits must fit a semaphore and `acquire_many`'s u32.
+        let depth = self.config.pipeline_depth.clamp(1, (Semaphore::MAX_PERMITS.min(u32::MAX as usize) - 1) / 2);
+        let (unpublished, in_flight) = Self::bounds(depth, self.store.one_writer());
+        let slots = Semaphore::new(in_flight);
         let unpublished = Semaphore::new(unpublished);
         let refused = AtomicBool::new(false);
         let (slots, unpublished, refused) = (&slots, &unpublished, &refused);
-        let (to_publish, mut claimed) = mpsc::channel::<(Batch, SemaphorePermit<'_>, SemaphorePermit<'_>)>(total);
-        let (to_settle, mut decided) = mpsc::channel::<(Decided, SemaphorePermit<'_>)>(total);
+        let (to_publish, mut claimed) = mpsc::channel::<(Batch, SemaphorePermit<'_>, SemaphorePermit<'_>)>(in_flight);
+        let (to_settle, mut decided) = mpsc::channel::<(Decided, SemaphorePermit<'_>)>(in_flight);
 
         let claim_stage = async move {
             let mut wakeup = wakeup;
@@ -667,7 +669,7 @@ impl Relay {
                 if settle_first {
                     settle_first = false;
                     // Closed never: the semaphore lives as long as this future.
-                    drop(slots.acquire_many(total as u32).await);
+                    drop(slots.acquire_many(in_flight as u32).await);
                     continue;
                 }
                 let Ok(slot) = slots.acquire().await else { return Stop::Idle };
@@ -681,7 +683,7 @@ impl Relay {
                 }
                 // Nothing else between claim and settled: a claim that finds nothing now means
                 // the relay is idle.
-                let alone = slots.available_permits() + 1 == total;
+                let alone = slots.available_permits() + 1 == in_flight;
                 // Whatever was signalled so far is visible to the claim that follows.
                 if let Some(w) = wakeup.as_deref_mut() {
                     w.mark_seen();

@@ -1231,3 +1231,23 @@ async fn a_store_with_one_writer_gets_no_batch_claimed_ahead() {
         assert_eq!(log_ids(&broker), (1..=40).map(|i| format!("e{i}")).collect::<Vec<_>>());
     }
 }
+
+/// A pipeline depth too large for the relay's permits is clamped, not a panic or a hang: every
+/// row is published once.
+#[tokio::test]
+async fn a_huge_pipeline_depth_is_clamped() {
+    let (_clock, store, broker) = setup().await;
+    let events: Vec<Event> = (1..=5).map(|i| event(&format!("e{i}"))).collect();
+    store.enqueue(&events).await.unwrap();
+    let relay = Relay::new(
+        Arc::new(store.clone()),
+        Arc::new(broker.clone()),
+        config("r").with_batch_size(2).with_pipeline_depth(usize::MAX),
+    );
+    let report = within("the relay draining 5 rows", relay.drain()).await.unwrap();
+    assert_eq!((report.claimed, report.published), (5, 5), "{report:?}");
+    for r in all_rows(&store).await.unwrap() {
+        assert_eq!((r.status, r.token), (RowStatus::Published, 1), "{r:?}");
+    }
+    assert_eq!(log_ids(&broker), ["e1", "e2", "e3", "e4", "e5"]);
+}

@@ -107,17 +107,34 @@ async fn relay_counts_fenced_completions() {
 
 /// A store whose completions wait for `gate` (when `stall_complete`), and whose claim number
 /// `hold_claim.0` (counting from 1) signals `hold_claim.1.0` and waits for `hold_claim.1.1`.
+/// It answers `one_writer` as told, lets other tasks run `complete_yields` times before each
+/// completion, and records the most rows it had leased out (claimed, not yet completed) when a
+/// claim began.
 struct StallComplete {
     inner: MemoryOutbox,
     gate: Arc<Notify>,
     stall_complete: bool,
     claims: std::sync::atomic::AtomicUsize,
     hold_claim: Option<(usize, Arc<(Notify, Notify)>)>,
+    one_writer: bool,
+    complete_yields: usize,
+    leased: std::sync::atomic::AtomicUsize,
+    most_leased_at_claim: std::sync::atomic::AtomicUsize,
 }
 
 impl StallComplete {
     fn new(inner: MemoryOutbox, gate: Arc<Notify>) -> Self {
-        Self { inner, gate, stall_complete: true, claims: Default::default(), hold_claim: None }
+        Self {
+            inner,
+            gate,
+            stall_complete: true,
+            claims: Default::default(),
+            hold_claim: None,
+            one_writer: false,
+            complete_yields: 0,
+            leased: Default::default(),
+            most_leased_at_claim: Default::default(),
+        }
     }
 }
 
@@ -135,7 +152,9 @@ impl OutboxStore for StallComplete {
         limit: usize,
         lease: Duration,
     ) -> outbox_core::Result<Vec<outbox_core::Claimed>> {
-        let n = self.claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        use std::sync::atomic::Ordering::SeqCst;
+        self.most_leased_at_claim.fetch_max(self.leased.load(SeqCst), SeqCst);
+        let n = self.claims.fetch_add(1, SeqCst) + 1;
         if let Some((at, gate)) = &self.hold_claim
             && n == *at
         {
@@ -144,7 +163,9 @@ impl OutboxStore for StallComplete {
                 return Err(Error::transient(ErrorKind::Timeout, "stall", "the claim gate was never opened"));
             }
         }
-        self.inner.claim(owner, limit, lease).await
+        let rows = self.inner.claim(owner, limit, lease).await?;
+        self.leased.fetch_add(rows.len(), SeqCst);
+        Ok(rows)
     }
     async fn complete(&self, row: i64, lease: &outbox_core::Lease) -> outbox_core::Result<Completion> {
         self.inner.complete(row, lease).await
@@ -153,7 +174,12 @@ impl OutboxStore for StallComplete {
         if self.stall_complete && tokio::time::timeout(LIMIT, self.gate.notified()).await.is_err() {
             return Err(Error::transient(ErrorKind::Timeout, "stall", "the gate was never opened"));
         }
-        self.inner.complete_many(rows).await
+        for _ in 0..self.complete_yields {
+            tokio::task::yield_now().await;
+        }
+        let out = self.inner.complete_many(rows).await?;
+        self.leased.fetch_sub(rows.len(), std::sync::atomic::Ordering::SeqCst);
+        Ok(out)
     }
     async fn fail(
         &self,
@@ -177,6 +203,9 @@ impl OutboxStore for StallComplete {
     }
     async fn release(&self, row: i64, lease: &outbox_core::Lease) -> outbox_core::Result<outbox_core::Outcome> {
         self.inner.release(row, lease).await
+    }
+    fn one_writer(&self) -> bool {
+        self.one_writer
     }
 }
 
@@ -1122,86 +1151,6 @@ async fn a_batch_that_outlasts_its_lease_halves_the_next_claim_and_batches_grow_
     assert_eq!(log_ids(&broker), expected);
 }
 
-/// A store that says whether it has one writer, records the most rows it had leased out when a
-/// claim began, and completes slowly (its completions yield many times, its claims once), so a
-/// relay that may claim ahead does.
-struct Writers {
-    inner: MemoryOutbox,
-    one_writer: bool,
-    leased: std::sync::atomic::AtomicUsize,
-    most_at_claim: std::sync::atomic::AtomicUsize,
-}
-
-impl Writers {
-    fn new(inner: MemoryOutbox, one_writer: bool) -> Self {
-        Self { inner, one_writer, leased: Default::default(), most_at_claim: Default::default() }
-    }
-}
-
-async fn yields(n: usize) {
-    for _ in 0..n {
-        tokio::task::yield_now().await;
-    }
-}
-
-#[async_trait]
-impl OutboxStore for Writers {
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    async fn enqueue(&self, events: &[Event]) -> outbox_core::Result<Vec<i64>> {
-        self.inner.enqueue(events).await
-    }
-    async fn claim(
-        &self,
-        owner: &str,
-        limit: usize,
-        lease: Duration,
-    ) -> outbox_core::Result<Vec<outbox_core::Claimed>> {
-        use std::sync::atomic::Ordering::SeqCst;
-        self.most_at_claim.fetch_max(self.leased.load(SeqCst), SeqCst);
-        yields(1).await;
-        let rows = self.inner.claim(owner, limit, lease).await?;
-        self.leased.fetch_add(rows.len(), SeqCst);
-        Ok(rows)
-    }
-    async fn complete(&self, row: i64, lease: &outbox_core::Lease) -> outbox_core::Result<Completion> {
-        Ok(self.complete_many(&[(row, lease.clone())]).await?.remove(0))
-    }
-    async fn complete_many(&self, rows: &[(i64, outbox_core::Lease)]) -> outbox_core::Result<Vec<Completion>> {
-        yields(64).await;
-        let out = self.inner.complete_many(rows).await?;
-        self.leased.fetch_sub(rows.len(), std::sync::atomic::Ordering::SeqCst);
-        Ok(out)
-    }
-    async fn fail(
-        &self,
-        row: i64,
-        lease: &outbox_core::Lease,
-        retry_after: Duration,
-        error: &str,
-    ) -> outbox_core::Result<outbox_core::Outcome> {
-        unreachable!("no row fails here: {row} {lease:?} {retry_after:?} {error}")
-    }
-    async fn park(&self, row: i64, lease: &outbox_core::Lease, r: &str) -> outbox_core::Result<outbox_core::Outcome> {
-        unreachable!("no row is parked here: {row} {lease:?} {r}")
-    }
-    async fn extend(
-        &self,
-        row: i64,
-        lease: &outbox_core::Lease,
-        by: Duration,
-    ) -> outbox_core::Result<outbox_core::Outcome> {
-        self.inner.extend(row, lease, by).await
-    }
-    async fn release(&self, row: i64, lease: &outbox_core::Lease) -> outbox_core::Result<outbox_core::Outcome> {
-        unreachable!("no row is released here: {row} {lease:?}")
-    }
-    fn one_writer(&self) -> bool {
-        self.one_writer
-    }
-}
-
 /// `OutboxStore::one_writer`: on a store with one writer the relay claims no batch ahead (at most
 /// `pipeline_depth` batches between claim and outcome, so a claim begins with at most one other
 /// batch leased at depth 2); on any other store it claims ahead while completions lag (up to
@@ -1212,7 +1161,12 @@ async fn a_store_with_one_writer_gets_no_batch_claimed_ahead() {
         let (_clock, store, broker) = setup().await;
         let events: Vec<Event> = (1..=40).map(|i| event(&format!("e{i}"))).collect();
         store.enqueue(&events).await.unwrap();
-        let writers = Arc::new(Writers::new(store.clone(), one_writer));
+        let writers = Arc::new(StallComplete {
+            stall_complete: false,
+            one_writer,
+            complete_yields: 64,
+            ..StallComplete::new(store.clone(), Arc::new(Notify::new()))
+        });
         let relay = Relay::new(
             writers.clone(),
             Arc::new(broker.clone()),
@@ -1221,7 +1175,7 @@ async fn a_store_with_one_writer_gets_no_batch_claimed_ahead() {
         let report = within("the relay draining 40 rows", relay.drain()).await.unwrap();
         assert_eq!((report.claimed, report.published), (40, 40), "one_writer {one_writer}: {report:?}");
         assert_eq!(
-            writers.most_at_claim.load(std::sync::atomic::Ordering::SeqCst),
+            writers.most_leased_at_claim.load(std::sync::atomic::Ordering::SeqCst),
             most,
             "rows leased out when a claim began, most (one_writer {one_writer}, depth 2, batches of 2)"
         );

@@ -22,7 +22,7 @@
 //! broker. When a slot also covered the claim and the completion, a broker whose publishes take
 //! longer than the database's statements saw fewer than `d` batches: with RabbitMQ at depth 2
 //! about 7 ms of every 24 ms slot went to PostgreSQL (measured in `outbox bench` P2; Kafka's P3
-//! gained a quarter, RabbitMQ's P2 an eighth by the change; Redis's P1 perhaps lost a twelfth;
+//! gained a quarter, RabbitMQ's P2 an eighth by the change; Redis's P1 lost about an eighth;
 //! docs/bench.md).
 //! So a batch holds two permits: one of `d + 1` from before its claim until its publish ends,
 //! and one of `2d + 1` from before its claim until its outcomes are recorded, which bounds the

@@ -43,12 +43,13 @@
 //!
 //! On a store whose writes run one at a time ([`OutboxStore::one_writer`], SQLite) the batches
 //! claimed ahead only wait for the writer, and their leased rows make every claim walk further:
-//! measured with an instant broker on SQLite (`outbox bench` P5), the relay did 41.2k–46.4k
-//! events/s with claims ahead against 42.6k–47.9k without, claims taking 1.9–2.1 ms against
-//! 1.3–1.4 ms. So on such a store no batch is claimed ahead and a batch holds its place from its
+//! measured with an instant broker on SQLite (`outbox bench` P5, alternating), the relay did
+//! 46.4k and 43.1k events/s without claims ahead (0.78, 0.76 of the same run's raw rusqlite
+//! loop) against 45.1k and 42.6k with them (0.75, 0.73), claims taking 1.3–1.4 ms against
+//! 1.9–2.1 ms. So on such a store no batch is claimed ahead and a batch holds its place from its
 //! claim until its outcomes are recorded: at most `d` batches between claim and outcome, as
 //! before the change above. (Claim and completion simply taking turns in the relay kept the
-//! claims ahead and gave 42.6k–44.7k.)
+//! claims ahead and gave 42.6k and 44.7k, 0.76 and 0.79.)
 //!
 //! # Lease safety
 //!

@@ -441,3 +441,91 @@ impl NowMs for ManualClock {
         outbox_core::Clock::now(self).as_millis()
     }
 }
+
+/// The claim's last step (the per-key "gap"): a row that another session holds locked is skipped
+/// by `FOR UPDATE SKIP LOCKED` without being leased, so the claim's snapshot sees it as free and
+/// only that step keeps the later rows of its key from overtaking it. A concurrent claim that
+/// has not yet committed holds such locks; here a transaction of the test holds them, so the
+/// case is deterministic. Keys: `a` locked at its head, `b` locked in the middle, `c` free, and a
+/// row without a key.
+#[tokio::test]
+async fn rows_behind_a_row_another_session_holds_locked_are_not_claimed() {
+    let Some(db) = TestDb::new("gap").await else { return };
+    let keyed = |id: &str, key: &str| event(id, b"").with_key(key);
+    db.store
+        .enqueue(&[
+            keyed("a1", "a"),
+            keyed("b1", "b"),
+            keyed("a2", "a"),
+            keyed("b2", "b"),
+            keyed("c1", "c"),
+            keyed("b3", "b"),
+            event("n1", b""),
+            keyed("c2", "c"),
+        ])
+        .await
+        .unwrap();
+    let events = db.store.tables().table("events").unwrap();
+    let mut locker = db.store.pool().begin().await.unwrap();
+    let locked: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT event_id FROM {events} WHERE event_id IN ('a1', 'b2') ORDER BY id FOR UPDATE"
+    )))
+    .fetch_all(&mut *locker)
+    .await
+    .unwrap();
+    assert_eq!(locked, ["a1", "b2"]);
+
+    let ids = |batch: &[outbox_core::Claimed]| -> Vec<String> {
+        batch.iter().map(|c| c.record.event.id.to_string()).collect()
+    };
+    let first = db.store.claim("r1", 10, LEASE).await.unwrap();
+    assert_eq!(ids(&first), ["b1", "c1", "n1", "c2"], "a2 and b3 wait behind the locked a1 and b2");
+    let rows = all_rows(&db.store).await.unwrap();
+    let state: Vec<(String, u64, Option<String>)> =
+        rows.iter().map(|r| (r.event.id.to_string(), r.token, r.owner.clone())).collect();
+    let leased = |id: &str| (id.to_string(), 1, Some("r1".to_string()));
+    let untouched = |id: &str| (id.to_string(), 0, None);
+    assert_eq!(
+        state,
+        [
+            untouched("a1"),
+            leased("b1"),
+            untouched("a2"),
+            untouched("b2"),
+            leased("c1"),
+            untouched("b3"),
+            leased("n1"),
+            leased("c2")
+        ]
+    );
+
+    // The locks go away (a claim that rolled back): `a` is claimed from its head, `b` still waits
+    // behind b1's live lease.
+    locker.rollback().await.unwrap();
+    let second = db.store.claim("r2", 10, LEASE).await.unwrap();
+    assert_eq!(ids(&second), ["a1", "a2"]);
+    let b1 = first.iter().find(|c| c.record.event.id.as_str() == "b1").unwrap();
+    assert_eq!(db.store.complete(b1.record.row_id, &b1.lease).await.unwrap(), Completion::Published);
+    let third = db.store.claim("r3", 10, LEASE).await.unwrap();
+    assert_eq!(ids(&third), ["b2", "b3"]);
+    let owners: Vec<(String, Option<String>, RowStatus)> = all_rows(&db.store)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.event.id.to_string(), r.owner.clone(), r.status))
+        .collect();
+    let o = |id: &str, owner: &str, status| (id.to_string(), Some(owner.to_string()), status);
+    assert_eq!(
+        owners,
+        [
+            o("a1", "r2", RowStatus::Leased),
+            o("b1", "r1", RowStatus::Published),
+            o("a2", "r2", RowStatus::Leased),
+            o("b2", "r3", RowStatus::Leased),
+            o("c1", "r1", RowStatus::Leased),
+            o("b3", "r3", RowStatus::Leased),
+            o("n1", "r1", RowStatus::Leased),
+            o("c2", "r1", RowStatus::Leased),
+        ]
+    );
+}

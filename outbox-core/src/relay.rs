@@ -41,15 +41,25 @@
 //!
 //! # One writer
 //!
-//! On a store whose writes run one at a time ([`OutboxStore::one_writer`], SQLite) the batches
-//! claimed ahead only wait for the writer, and their leased rows make every claim walk further:
-//! measured with an instant broker on SQLite (`outbox bench` P5, alternating), the relay did
-//! 46.4k and 43.1k events/s without claims ahead (0.78, 0.76 of the same run's raw rusqlite
-//! loop) against 45.1k and 42.6k with them (0.75, 0.73), claims taking 1.3–1.4 ms against
-//! 1.9–2.1 ms. So on such a store no batch is claimed ahead and a batch holds its place from its
-//! claim until its outcomes are recorded: at most `d` batches between claim and outcome, as
-//! before the change above. (Claim and completion simply taking turns in the relay kept the
-//! claims ahead and gave 42.6k and 44.7k, 0.76 and 0.79.)
+//! On a store whose writes run one at a time ([`OutboxStore::one_writer`], SQLite) a batch
+//! claimed ahead waits for the writer like everything else, and its leased rows make the next
+//! claims walk further; it pays only while the broker is what the relay waits for. So on such a
+//! store the claim stage, holding its permits, waits while `d` or more other batches are between
+//! claim and outcome unless all `d` places at the broker are publishing: a broker that returns
+//! within a claim's time (the instant broker, mostly Redis) gets at most `d` batches between
+//! claim and outcome, a slow one (Kafka, RabbitMQ) a batch claimed ahead as on any store.
+//! Measured with `outbox bench --only P5 --seed 7` (SQLite) in a throwaway build whose P5 relay
+//! could publish to Redis or Kafka, alternating with the rule before (nothing claimed ahead on
+//! such a store); events/s with the ratio to the same run's raw rusqlite loop:
+//! - Kafka (tansu): 25.6k (0.55), 25.5k (0.55), 26.4k (0.55), 23.9k (0.54), 25.8k (0.60)
+//!   against 17.2k (0.37), 17.9k (0.40), 16.6k (0.32), 17.0k (0.38), 18.0k (0.44);
+//! - the instant broker: 38.8k (0.87), 38.9k (0.84), 34.0k (0.74), 35.0k (0.75), 28.6k (0.75)
+//!   against 36.9k (0.76), 37.7k (0.82), 39.6k (0.82), 38.0k (0.90), 31.4k (0.73);
+//! - Redis: within each other's spread (means 33.0k against 33.6k, eight runs each).
+//!
+//! Claiming ahead regardless, as on PostgreSQL, gave Kafka as much (29.1k (0.64), 25.1k (0.53))
+//! but cost Redis (31.6k (0.65), 29.2k (0.64) against 32.1k (0.67), 35.1k (0.74)); on
+//! PostgreSQL this rule cost P2 a twentieth (docs/bench.md), so it is for one writer only.
 //!
 //! # Lease safety
 //!
@@ -185,9 +195,10 @@ pub struct RelayConfig {
     /// this one's publish is still waiting for the broker's acknowledgements; one more batch is
     /// claimed ahead to take the next free place, and each batch's outcomes are recorded as its
     /// publish ends, so up to `2 × pipeline_depth + 1` batches are between their claim and their
-    /// recorded outcomes (on a store with [one writer](OutboxStore::one_writer): none claimed
-    /// ahead, at most `pipeline_depth`). 1 is the serial relay (claim, publish, complete, then
-    /// the next claim).
+    /// recorded outcomes (on a store with [one writer](OutboxStore::one_writer) a batch is
+    /// claimed ahead only while every place at the broker is publishing, else at most
+    /// `pipeline_depth` are). 1 is the serial relay (claim, publish, complete, then the next
+    /// claim).
     /// [`Relay::run_once`] is always one batch. Keep one batch's publish time well under
     /// [`lease`](Self::lease): a batch that waited in the pipeline for half its lease is released
     /// unpublished (see the module docs).
@@ -644,11 +655,17 @@ impl Relay {
     async fn pipeline(&self, until: Until, wakeup: Option<&mut Wakeup>) -> (BatchReport, Stop) {
         // 2 × depth + 1 permits must fit a semaphore and `acquire_many`'s u32.
         let depth = self.config.pipeline_depth.clamp(1, (Semaphore::MAX_PERMITS.min(u32::MAX as usize) - 1) / 2);
-        let (unpublished, in_flight) = Self::bounds(depth, self.store.one_writer());
+        let (unpublished, in_flight) = Self::bounds(depth);
+        // On a store with one writer a batch is claimed ahead only while every place at the
+        // broker is publishing (module docs, "One writer").
+        let one_writer = depth > 1 && self.store.one_writer();
         let slots = Semaphore::new(in_flight);
         let unpublished = Semaphore::new(unpublished);
         let refused = AtomicBool::new(false);
-        let (slots, unpublished, refused) = (&slots, &unpublished, &refused);
+        // Publishes running, and a signal whenever one starts or ends or a batch is settled.
+        let at_broker = AtomicUsize::new(0);
+        let moved = Notify::new();
+        let (slots, unpublished, refused, at_broker, moved) = (&slots, &unpublished, &refused, &at_broker, &moved);
         let (to_publish, mut claimed) = mpsc::channel::<(Batch, SemaphorePermit<'_>, SemaphorePermit<'_>)>(in_flight);
         let (to_settle, mut decided) = mpsc::channel::<(Decided, SemaphorePermit<'_>)>(in_flight);
 
@@ -675,6 +692,9 @@ impl Relay {
                 }
                 let Ok(slot) = slots.acquire().await else { return Stop::Idle };
                 let Ok(early) = unpublished.acquire().await else { return Stop::Idle };
+                if one_writer {
+                    self.wait_for_a_busy_broker(depth, in_flight, slots, at_broker, moved).await;
+                }
                 // The wait for the permits may have been long: look at the flags again.
                 if self.shutdown.is_triggered() {
                     return Stop::Shutdown;
@@ -732,6 +752,8 @@ impl Relay {
                 tokio::select! {
                     biased;
                     Some((d, slot)) = publishing.next(), if !publishing.is_empty() => {
+                        at_broker.fetch_sub(1, Ordering::SeqCst);
+                        moved.notify_waiters();
                         if to_settle.send((d, slot)).await.is_err() {
                             break;
                         }
@@ -739,6 +761,8 @@ impl Relay {
                     next = claimed.recv(), if open && publishing.len() < depth => match next {
                         Some((batch, slot, early)) => {
                             let span = batch.span.clone();
+                            at_broker.fetch_add(1, Ordering::SeqCst);
+                            moved.notify_waiters();
                             publishing.push(async move {
                                 let d = self.publish(batch, refused).instrument(span).await;
                                 drop(early);
@@ -758,6 +782,7 @@ impl Relay {
                 let report = self.settle(d).await;
                 total.add(&report);
                 drop(slot);
+                moved.notify_waiters();
             }
             total
         };
@@ -768,12 +793,40 @@ impl Relay {
 
     /// Permits of the pipeline at `depth` batches at the broker: (claimed and not yet published,
     /// claimed and not yet settled). Depth 1 is the serial relay: one batch from claim to settled.
-    /// On a store with one writer no batch is claimed ahead (module docs, "One writer").
-    fn bounds(depth: usize, one_writer: bool) -> (usize, usize) {
+    fn bounds(depth: usize) -> (usize, usize) {
         match depth {
             0 | 1 => (1, 1),
-            _ if one_writer => (depth, depth),
             _ => (depth + 1, 2 * depth + 1),
+        }
+    }
+
+    /// On a store with one writer, before a claim (the claim stage holds its permits): wait while
+    /// `depth` or more other batches are between claim and outcome and a place at the broker is
+    /// free, so that a batch is claimed ahead only while every place is publishing. Returns at
+    /// once on shutdown (the caller looks at the flag). Never waits forever: each batch counted
+    /// is publishing or being settled, and each publish that ends and each batch settled signals
+    /// `moved`.
+    async fn wait_for_a_busy_broker(
+        &self,
+        depth: usize,
+        in_flight: usize,
+        slots: &Semaphore,
+        at_broker: &AtomicUsize,
+        moved: &Notify,
+    ) {
+        loop {
+            let signal = moved.notified();
+            tokio::pin!(signal);
+            // Registered before the counts are read, so no change between the two is missed.
+            signal.as_mut().enable();
+            let others = in_flight.saturating_sub(slots.available_permits() + 1);
+            if others < depth || at_broker.load(Ordering::SeqCst) >= depth || self.shutdown.is_triggered() {
+                return;
+            }
+            tokio::select! {
+                () = signal => {}
+                () = self.shutdown.wait() => return,
+            }
         }
     }
 

@@ -331,9 +331,9 @@ pub trait OutboxStore: Send + Sync {
     /// # Behavior
     /// - the default returns `false`: statements at once may run at once (PostgreSQL);
     /// - a hint for throughput, not part of the contract: with `true`, a [`Relay`](crate::Relay)
-    ///   claims no batch ahead of its places at the broker (at most
-    ///   [`pipeline_depth`](crate::RelayConfig::pipeline_depth) batches between claim and recorded
-    ///   outcome), and every rule of the other methods holds either way;
+    ///   claims a batch ahead of its places at the broker only while every place is publishing
+    ///   (else at most [`pipeline_depth`](crate::RelayConfig::pipeline_depth) batches are between
+    ///   claim and recorded outcome), and every rule of the other methods holds either way;
     /// - a decorator around a store returns its inner store's answer.
     fn one_writer(&self) -> bool {
         false

@@ -1151,7 +1151,8 @@ async fn a_batch_that_outlasts_its_lease_halves_the_next_claim_and_batches_grow_
     assert_eq!(log_ids(&broker), expected);
 }
 
-/// `OutboxStore::one_writer`: on a store with one writer the relay claims no batch ahead (at most
+/// `OutboxStore::one_writer` with a broker that returns at once: on a store with one writer the
+/// relay claims no batch ahead, since a place at the broker is always free (at most
 /// `pipeline_depth` batches between claim and outcome, so a claim begins with at most one other
 /// batch leased at depth 2); on any other store it claims ahead while completions lag (up to
 /// 2 × depth + 1 batches). Either way every row is published once, in order.
@@ -1184,6 +1185,84 @@ async fn a_store_with_one_writer_gets_no_batch_claimed_ahead() {
         }
         assert_eq!(log_ids(&broker), (1..=40).map(|i| format!("e{i}")).collect::<Vec<_>>());
     }
+}
+
+/// A broker whose publishes wait until the test opens the gate, counting the publishes begun.
+struct Gated {
+    inner: MemoryBroker,
+    open: tokio::sync::watch::Receiver<bool>,
+    begun: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl Broker for Gated {
+    fn backend(&self) -> &'static str {
+        "gated"
+    }
+    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> outbox_core::Result<()> {
+        self.inner.declare(d, g).await
+    }
+    async fn publish(&self, event: &Event) -> outbox_core::Result<()> {
+        self.begun.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let mut open = self.open.clone();
+        // Bounded: a gate never opened fails the publish instead of hanging the test.
+        let opened = matches!(tokio::time::timeout(LIMIT, open.wait_for(|o| *o)).await, Ok(Ok(_)));
+        if !opened {
+            return Err(Error::transient(ErrorKind::Timeout, "gated", "the gate was never opened"));
+        }
+        self.inner.publish(event).await
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> outbox_core::Result<Box<dyn Subscription>> {
+        self.inner.subscribe(d, g).await
+    }
+}
+
+/// `OutboxStore::one_writer` with a broker that is busy: while every place at the broker is
+/// publishing, the relay claims one batch ahead on a store with one writer too (depth 2, batches
+/// of 2: the third claim begins with 4 rows leased, and no fourth claim begins before a publish
+/// ends). Then every row is published once.
+#[tokio::test]
+async fn a_store_with_one_writer_gets_a_batch_claimed_ahead_while_the_broker_is_busy() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (_clock, store, broker) = setup().await;
+    let events: Vec<Event> = (1..=20).map(|i| event(&format!("e{i:02}"))).collect();
+    store.enqueue(&events).await.unwrap();
+    let writer = Arc::new(StallComplete {
+        stall_complete: false,
+        one_writer: true,
+        ..StallComplete::new(store.clone(), Arc::new(Notify::new()))
+    });
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let gated = Arc::new(Gated { inner: broker.clone(), open: gate, begun: Default::default() });
+    let relay = Relay::new(writer.clone(), gated.clone(), config("r").with_batch_size(2).with_pipeline_depth(2));
+    let drain = tokio::spawn(async move { relay.drain().await });
+
+    // Both places publishing (a batch of 2 publishes its keys' events at once), then the claim
+    // ahead: the third claim.
+    within("two batches at the broker and a third claimed", async {
+        wait_until(|| gated.begun.load(SeqCst) == 4 && writer.claims.load(SeqCst) == 3).await;
+    })
+    .await;
+    for _ in 0..64 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(writer.claims.load(SeqCst), 3, "one batch claimed ahead, not more");
+    assert_eq!(writer.most_leased_at_claim.load(SeqCst), 4, "the third claim began with two batches leased");
+    let rows = all_rows(&store).await.unwrap();
+    let leased: Vec<&str> = rows.iter().filter(|r| r.token == 1).map(|r| r.event.id.as_str()).collect();
+    assert_eq!(leased, ["e01", "e02", "e03", "e04", "e05", "e06"]);
+    assert!(broker.log(&dest()).is_empty(), "nothing published while the gate is shut");
+
+    open.send(true).unwrap();
+    let report = within("the relay draining 20 rows", drain).await.unwrap().unwrap();
+    assert_eq!((report.claimed, report.published), (20, 20), "{report:?}");
+    for r in all_rows(&store).await.unwrap() {
+        assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{r:?}");
+    }
+    // Each once (rows without a key, published at once, may reach the log in any order).
+    let mut published = log_ids(&broker);
+    published.sort();
+    assert_eq!(published, (1..=20).map(|i| format!("e{i:02}")).collect::<Vec<_>>());
 }
 
 /// A pipeline depth too large for the relay's permits is clamped, not a panic or a hang: every

@@ -765,8 +765,9 @@ impl OutboxStore for SqliteStore {
     }
 
     /// Yes: SQLite has one writer per database file, and this store's writes take turns in the
-    /// process; a relay then claims no batch ahead of its places at the broker (at most
-    /// `pipeline_depth` batches between claim and recorded outcome).
+    /// process; a relay then claims a batch ahead of its places at the broker only while every
+    /// place is publishing (else at most `pipeline_depth` batches are between claim and recorded
+    /// outcome).
     fn one_writer(&self) -> bool {
         true
     }

@@ -316,7 +316,7 @@ fn check_url(url: &str) -> Result<()> {
     }
 }
 
-fn reachable(addr: &str) -> std::result::Result<(), String> {
+pub(crate) fn reachable(addr: &str) -> std::result::Result<(), String> {
     use std::net::{TcpStream, ToSocketAddrs};
     let a = addr.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or_else(|| "no address".to_string())?;
     TcpStream::connect_timeout(&a, Duration::from_secs(2)).map(|_| ()).map_err(|e| e.to_string())

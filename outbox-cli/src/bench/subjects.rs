@@ -487,6 +487,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
     all_published(&store, s.events, "the relay").await?;
     say("P5", format!("relay {} ev/s", rate(measured)));
     drop(store);
+    let brokers = p5_real_brokers(s, &open, &events, raw_rate).await?;
     Ok(vec![Row::new(
         "P5",
         "SQLite relay, instant broker",
@@ -495,7 +496,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
         Some(raw_rate),
         Some(0.8),
         format!(
-            "1 relay, {}; synchronous={synchronous}; {} keys; raw claim before key order {} ({:.2} of it)",
+            "1 relay, {}; synchronous={synchronous}; {} keys; raw claim before key order {} ({:.2} of it){brokers}",
             relay_settings(s),
             s.keys,
             rate(before_rate),
@@ -504,6 +505,78 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
         vec![("raw rusqlite".into(), raw_rate), ("raw rusqlite before key order".into(), before_rate)],
         s.seed,
     )])
+}
+
+/// P5's diagnostics: the same SQLite relay publishing to Redis and to Kafka, each on a file of
+/// its own with the same backlog, when the server answers (else a line says it was skipped). A
+/// broker with latency is what decides whether a relay on a store with one writer claims ahead
+/// (outbox-core's relay docs, "One writer"); the instant broker never shows it. Returns what P5's
+/// configuration column adds: each rate with its ratio to the same run's raw rusqlite loop.
+async fn p5_real_brokers<F, Fut>(s: &Settings, open: &F, events: &[Event], raw_rate: f64) -> Result<String>
+where
+    F: Fn(&str) -> Fut,
+    Fut: std::future::Future<Output = Result<outbox::sqlite::SqliteStore>>,
+{
+    let mut note = String::new();
+    for (name, script, url) in [("Redis", "redis", &s.redis), ("Kafka", "kafka", &s.kafka)] {
+        let addr = outbox_conformance_tests::service::service_addr(url);
+        if let Err(e) = super::reachable(&addr) {
+            say(
+                "P5",
+                format!(
+                    "the relay to {name}: skipped, not reachable at {addr} ({e}); `scripts/services ensure {script}`"
+                ),
+            );
+            continue;
+        }
+        let store = open(&format!("relay-{script}.db")).await?;
+        for chunk in events.chunks(2000) {
+            store.enqueue(chunk).await?;
+        }
+        fixture::settle().await;
+        let measured = match name {
+            "Redis" => {
+                let config = outbox::redis::RedisConfig::from_url(url)?.with_prefix(format!("bench_{}:", s.run_id));
+                let broker = outbox::redis::RedisBroker::connect(config).await?;
+                let dest = destination(s, "p5")?;
+                let measured = async {
+                    let r = relay_drain("P5 to Redis", Arc::new(store.clone()), Arc::new(broker.clone()), s, s.events)
+                        .await?;
+                    let on_stream = broker.stream_len(&dest).await?;
+                    if on_stream != s.events as u64 {
+                        return Err(fail(format!("{on_stream} entries on the stream, expected {}", s.events)));
+                    }
+                    Ok(r)
+                }
+                .await;
+                let _ = broker.delete_destination(&dest).await;
+                measured?
+            }
+            _ => {
+                let config = outbox::kafka::KafkaConfig::from_url(url)?;
+                let broker = outbox::kafka::KafkaBroker::connect(config.clone()).await?;
+                let dest = destination(s, "p5")?;
+                broker.declare(&dest, &[]).await?;
+                let measured = async {
+                    let r = relay_drain("P5 to Kafka", Arc::new(store.clone()), Arc::new(broker.clone()), s, s.events)
+                        .await?;
+                    let stored = raw::kafka_count(&config, dest.as_str(), s.events).await?;
+                    if stored != s.events as i64 {
+                        return Err(fail(format!("{stored} messages on the topic, expected {}", s.events)));
+                    }
+                    Ok(r)
+                }
+                .await;
+                let _ = broker.delete_topic(&dest).await;
+                measured?
+            }
+        };
+        all_published(&store, s.events, &format!("the relay to {name}")).await?;
+        let ratio = measured / raw_rate;
+        say("P5", format!("the same relay to {name}: {} ev/s ({ratio:.2} of raw rusqlite)", rate(measured)));
+        note.push_str(&format!("; the same relay to {name} {} ({ratio:.2})", rate(measured)));
+    }
+    Ok(note)
 }
 
 // ---------------------------------------------------------------------------------------------

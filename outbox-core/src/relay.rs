@@ -804,8 +804,8 @@ impl Relay {
     /// `depth` or more other batches are between claim and outcome and a place at the broker is
     /// free, so that a batch is claimed ahead only while every place is publishing. Returns at
     /// once on shutdown (the caller looks at the flag). Never waits forever: each batch counted
-    /// is publishing or being settled, and each publish that ends and each batch settled signals
-    /// `moved`.
+    /// is waiting for a place, publishing, or waiting for or in its completion, and each publish
+    /// that starts or ends and each batch settled signals `moved`.
     async fn wait_for_a_busy_broker(
         &self,
         depth: usize,

@@ -72,6 +72,32 @@ async fn relay_drain(
     Ok(per_second(n, elapsed))
 }
 
+/// [`relay_drain`] to a real broker, then fail unless the broker holds exactly `n` messages:
+/// `held` reads them back after the drain (a stream's length, a topic's offsets), `what` names
+/// them in the error.
+async fn drain_to_broker(
+    p: &str,
+    store: Arc<dyn OutboxStore>,
+    broker: Arc<dyn Broker>,
+    s: &Settings,
+    n: usize,
+    what: &str,
+    held: impl std::future::Future<Output = Result<u64>>,
+) -> Result<f64> {
+    let measured = relay_drain(p, store, broker, s, n).await?;
+    let held = held.await?;
+    if held != n as u64 {
+        return Err(fail(format!("{held} {what}, expected {n}")));
+    }
+    Ok(measured)
+}
+
+/// The messages on a Kafka topic, for [`drain_to_broker`].
+async fn topic_len(config: &outbox::kafka::KafkaConfig, topic: &Destination, expected: usize) -> Result<u64> {
+    let stored = raw::kafka_count(config, topic.as_str(), expected).await?;
+    u64::try_from(stored).map_err(|_| fail(format!("a negative count of messages on {topic}: {stored}")))
+}
+
 fn check_report(report: &BatchReport, n: usize) -> Result<()> {
     if report.published != n as u64 || report.retried + report.parked + report.fenced + report.released > 0 {
         return Err(fail(format!("relay published {} of {n} rows ({report:?})", report.published)));
@@ -160,11 +186,10 @@ async fn p1(s: &Settings) -> Result<Vec<Row>> {
         say("P1", format!("raw XADD {} ev/s", rate(xadd)));
         fx.fill(&events).await?;
         let measured = async {
-            let r = relay_drain("P1", Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
-            let on_stream = broker.stream_len(&dest).await?;
-            if on_stream != s.events as u64 {
-                return Err(fail(format!("{on_stream} entries on the stream, expected {}", s.events)));
-            }
+            let held = broker.stream_len(&dest);
+            let store = Arc::new(fx.store.clone());
+            let r = drain_to_broker("P1", store, Arc::new(broker.clone()), s, s.events, "entries on the stream", held)
+                .await?;
             fx.check_published(s.events, "relay").await?;
             Ok(r)
         }
@@ -351,11 +376,10 @@ async fn p3(s: &Settings) -> Result<Vec<Row>> {
         let produce = raw::kafka_produce(&config, raw_dest.as_str(), &events).await?;
         say("P3", format!("raw produce {} ev/s", rate(produce)));
         fx.fill(&events).await?;
-        let measured = relay_drain("P3", Arc::new(fx.store.clone()), Arc::new(broker.clone()), s, s.events).await?;
-        let stored = raw::kafka_count(&config, dest.as_str(), s.events).await?;
-        if stored != s.events as i64 {
-            return Err(fail(format!("{stored} messages on the topic, expected {}", s.events)));
-        }
+        let held = topic_len(&config, &dest, s.events);
+        let store = Arc::new(fx.store.clone());
+        let measured =
+            drain_to_broker("P3", store, Arc::new(broker.clone()), s, s.events, "messages on the topic", held).await?;
         fx.check_published(s.events, "relay").await?;
         say("P3", format!("relay {} ev/s", rate(measured)));
         let (base, parts) = min_of(("raw SQL", sql), ("raw produce", produce));
@@ -539,15 +563,17 @@ where
                 let config = outbox::redis::RedisConfig::from_url(url)?.with_prefix(format!("bench_{}:", s.run_id));
                 let broker = outbox::redis::RedisBroker::connect(config).await?;
                 let dest = destination(s, "p5")?;
-                let measured = async {
-                    let r = relay_drain("P5 to Redis", Arc::new(store.clone()), Arc::new(broker.clone()), s, s.events)
-                        .await?;
-                    let on_stream = broker.stream_len(&dest).await?;
-                    if on_stream != s.events as u64 {
-                        return Err(fail(format!("{on_stream} entries on the stream, expected {}", s.events)));
-                    }
-                    Ok(r)
-                }
+                let held = broker.stream_len(&dest);
+                let to = Arc::new(broker.clone());
+                let measured = drain_to_broker(
+                    "P5 to Redis",
+                    Arc::new(store.clone()),
+                    to,
+                    s,
+                    s.events,
+                    "entries on the stream",
+                    held,
+                )
                 .await;
                 let _ = broker.delete_destination(&dest).await;
                 measured?
@@ -557,15 +583,17 @@ where
                 let broker = outbox::kafka::KafkaBroker::connect(config.clone()).await?;
                 let dest = destination(s, "p5")?;
                 broker.declare(&dest, &[]).await?;
-                let measured = async {
-                    let r = relay_drain("P5 to Kafka", Arc::new(store.clone()), Arc::new(broker.clone()), s, s.events)
-                        .await?;
-                    let stored = raw::kafka_count(&config, dest.as_str(), s.events).await?;
-                    if stored != s.events as i64 {
-                        return Err(fail(format!("{stored} messages on the topic, expected {}", s.events)));
-                    }
-                    Ok(r)
-                }
+                let held = topic_len(&config, &dest, s.events);
+                let to = Arc::new(broker.clone());
+                let measured = drain_to_broker(
+                    "P5 to Kafka",
+                    Arc::new(store.clone()),
+                    to,
+                    s,
+                    s.events,
+                    "messages on the topic",
+                    held,
+                )
                 .await;
                 let _ = broker.delete_topic(&dest).await;
                 measured?

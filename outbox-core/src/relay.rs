@@ -55,7 +55,8 @@
 //!   against 17.2k (0.37), 17.9k (0.40), 16.6k (0.32), 17.0k (0.38), 18.0k (0.44);
 //! - the instant broker: 38.8k (0.87), 38.9k (0.84), 34.0k (0.74), 35.0k (0.75), 28.6k (0.75)
 //!   against 36.9k (0.76), 37.7k (0.82), 39.6k (0.82), 38.0k (0.90), 31.4k (0.73);
-//! - Redis: within each other's spread (means 33.0k against 33.6k, eight runs each).
+//! - Redis: within each other's spread (eight runs each: means 33.0k against 33.6k, mean ratios
+//!   0.72 against 0.74; runs 29.6k–36.2k against 27.9k–36.8k).
 //!
 //! Claiming ahead regardless, as on PostgreSQL, gave Kafka as much (29.1k (0.64), 25.1k (0.53))
 //! but cost Redis (31.6k (0.65), 29.2k (0.64) against 32.1k (0.67), 35.1k (0.74)); on

@@ -12,6 +12,16 @@ use outbox_core::store::all_rows;
 use outbox_core::{Broker, Completion, OutboxAdmin, OutboxStore, Relay, RelayConfig, RowStatus};
 
 const ROWS: usize = 2_000;
+/// Seconds normally; anything past this is a hang (a relay or loop that never finishes).
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// Await `task` for at most [`LIMIT`], failing with `what` instead of hanging.
+async fn within<T>(what: &str, task: tokio::task::JoinHandle<T>) -> T {
+    match tokio::time::timeout(LIMIT, task).await {
+        Ok(joined) => joined.unwrap(),
+        Err(_) => panic!("{what} did not finish within {LIMIT:?}"),
+    }
+}
 
 async fn fill(store: &dyn OutboxStore) {
     let events: Vec<_> = (0..ROWS).map(|i| event(&format!("ev-{i:05}"), format!("{i}").as_bytes())).collect();
@@ -66,7 +76,7 @@ async fn concurrent_relays_with_expiring_leases_publish_every_row_once() {
         }));
     }
     for t in tasks {
-        t.await.unwrap();
+        within("a relay loop draining the rows", t).await;
     }
 
     let claims = claims.lock().unwrap().clone();
@@ -106,7 +116,7 @@ async fn four_core_relays_drain_into_the_memory_broker() {
     }
     let mut published = 0;
     for t in tasks {
-        published += t.await.unwrap().published;
+        published += within("a relay draining the rows", t).await.published;
     }
     assert_eq!(published, ROWS as u64);
     let log = broker.log(&common::dest());

@@ -492,10 +492,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
     for (store, claim) in
         [(raw_store, raw::SqliteClaim::Store), (open("raw-before.db").await?, raw::SqliteClaim::BeforeKeyOrder)]
     {
-        for chunk in events.chunks(2000) {
-            store.enqueue(chunk).await?;
-        }
-        fixture::settle().await;
+        fill_sqlite(&store, &events).await?;
         let raw_rate = raw::sqlite(&store, s.events, s.batch, claim).await?;
         all_published(&store, s.events, &format!("raw rusqlite ({claim:?})")).await?;
         raw_rates.push(raw_rate);
@@ -503,15 +500,12 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
     let (raw_rate, before_rate) = (raw_rates[0], raw_rates[1]);
     say("P5", format!("raw rusqlite {} ev/s (the claim before key order: {} ev/s)", rate(raw_rate), rate(before_rate)));
     let store = open("relay.db").await?;
-    for chunk in events.chunks(2000) {
-        store.enqueue(chunk).await?;
-    }
-    fixture::settle().await;
+    fill_sqlite(&store, &events).await?;
     let measured = relay_drain("P5", Arc::new(store.clone()), Arc::new(InstantBroker), s, s.events).await?;
     all_published(&store, s.events, "the relay").await?;
     say("P5", format!("relay {} ev/s", rate(measured)));
     drop(store);
-    let brokers = p5_real_brokers(s, &open, &events, raw_rate).await?;
+    let brokers = p5_real_brokers(s, &open, &dest, &events, raw_rate).await?;
     Ok(vec![Row::new(
         "P5",
         "SQLite relay, instant broker",
@@ -531,18 +525,80 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
     )])
 }
 
+/// A P5 backlog: `events` enqueued in chunks, then the file settled (setup is not timed).
+async fn fill_sqlite(store: &outbox::sqlite::SqliteStore, events: &[Event]) -> Result<()> {
+    for chunk in events.chunks(2000) {
+        store.enqueue(chunk).await?;
+    }
+    fixture::settle().await;
+    Ok(())
+}
+
+/// The real brokers of P5's diagnostics.
+#[derive(Clone, Copy)]
+enum RealBroker {
+    Redis,
+    Kafka,
+}
+
+impl RealBroker {
+    /// (name, `scripts/services` name, URL).
+    fn server(self, s: &Settings) -> (&'static str, &'static str, &str) {
+        match self {
+            Self::Redis => ("Redis", "redis", &s.redis),
+            Self::Kafka => ("Kafka", "kafka", &s.kafka),
+        }
+    }
+
+    /// Drain `store` to this broker at `dest` with [`drain_to_broker`]; the destination is
+    /// removed afterwards, also when the drain fails.
+    async fn drain(self, s: &Settings, store: &outbox::sqlite::SqliteStore, dest: &Destination) -> Result<f64> {
+        let (name, _, url) = self.server(s);
+        let p = format!("P5 to {name}");
+        let store = Arc::new(store.clone());
+        match self {
+            Self::Redis => {
+                let config = outbox::redis::RedisConfig::from_url(url)?.with_prefix(format!("bench_{}:", s.run_id));
+                let broker = outbox::redis::RedisBroker::connect(config).await?;
+                let held = broker.stream_len(dest);
+                let to = Arc::new(broker.clone());
+                let measured = drain_to_broker(&p, store, to, s, s.events, "entries on the stream", held).await;
+                let _ = broker.delete_destination(dest).await;
+                measured
+            }
+            Self::Kafka => {
+                let config = outbox::kafka::KafkaConfig::from_url(url)?;
+                let broker = outbox::kafka::KafkaBroker::connect(config.clone()).await?;
+                broker.declare(dest, &[]).await?;
+                let held = topic_len(&config, dest, s.events);
+                let to = Arc::new(broker.clone());
+                let measured = drain_to_broker(&p, store, to, s, s.events, "messages on the topic", held).await;
+                let _ = broker.delete_topic(dest).await;
+                measured
+            }
+        }
+    }
+}
+
 /// P5's diagnostics: the same SQLite relay publishing to Redis and to Kafka, each on a file of
 /// its own with the same backlog, when the server answers (else a line says it was skipped). A
 /// broker with latency is what decides whether a relay on a store with one writer claims ahead
 /// (outbox-core's relay docs, "One writer"); the instant broker never shows it. Returns what P5's
 /// configuration column adds: each rate with its ratio to the same run's raw rusqlite loop.
-async fn p5_real_brokers<F, Fut>(s: &Settings, open: &F, events: &[Event], raw_rate: f64) -> Result<String>
+async fn p5_real_brokers<F, Fut>(
+    s: &Settings,
+    open: &F,
+    dest: &Destination,
+    events: &[Event],
+    raw_rate: f64,
+) -> Result<String>
 where
     F: Fn(&str) -> Fut,
     Fut: std::future::Future<Output = Result<outbox::sqlite::SqliteStore>>,
 {
     let mut note = String::new();
-    for (name, script, url) in [("Redis", "redis", &s.redis), ("Kafka", "kafka", &s.kafka)] {
+    for broker in [RealBroker::Redis, RealBroker::Kafka] {
+        let (name, script, url) = broker.server(s);
         let addr = outbox_conformance_tests::service::service_addr(url);
         if let Err(e) = super::reachable(&addr) {
             say(
@@ -554,51 +610,8 @@ where
             continue;
         }
         let store = open(&format!("relay-{script}.db")).await?;
-        for chunk in events.chunks(2000) {
-            store.enqueue(chunk).await?;
-        }
-        fixture::settle().await;
-        let measured = match name {
-            "Redis" => {
-                let config = outbox::redis::RedisConfig::from_url(url)?.with_prefix(format!("bench_{}:", s.run_id));
-                let broker = outbox::redis::RedisBroker::connect(config).await?;
-                let dest = destination(s, "p5")?;
-                let held = broker.stream_len(&dest);
-                let to = Arc::new(broker.clone());
-                let measured = drain_to_broker(
-                    "P5 to Redis",
-                    Arc::new(store.clone()),
-                    to,
-                    s,
-                    s.events,
-                    "entries on the stream",
-                    held,
-                )
-                .await;
-                let _ = broker.delete_destination(&dest).await;
-                measured?
-            }
-            _ => {
-                let config = outbox::kafka::KafkaConfig::from_url(url)?;
-                let broker = outbox::kafka::KafkaBroker::connect(config.clone()).await?;
-                let dest = destination(s, "p5")?;
-                broker.declare(&dest, &[]).await?;
-                let held = topic_len(&config, &dest, s.events);
-                let to = Arc::new(broker.clone());
-                let measured = drain_to_broker(
-                    "P5 to Kafka",
-                    Arc::new(store.clone()),
-                    to,
-                    s,
-                    s.events,
-                    "messages on the topic",
-                    held,
-                )
-                .await;
-                let _ = broker.delete_topic(&dest).await;
-                measured?
-            }
-        };
+        fill_sqlite(&store, events).await?;
+        let measured = broker.drain(s, &store, dest).await?;
         all_published(&store, s.events, &format!("the relay to {name}")).await?;
         let ratio = measured / raw_rate;
         say("P5", format!("the same relay to {name}: {} ev/s ({ratio:.2} of raw rusqlite)", rate(measured)));

@@ -447,6 +447,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "relay_run_drains_a_backlog_back_to_back_while_completions_lag",
+            class: "Relay::run",
+            property: "run claims again as long as rows are due: a backlog of many batches at pipeline depth 2, \
+                       whose outcomes are recorded late, is published in full with nothing from outside to wake \
+                       the relay; every row published once under its claim's token, each key in row order",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "inbox_commit_failure_is_not_acknowledged",
             class: "Inbox::commit / Delivery::ack",
             property: "when the inbox commit fails after the effect, nothing is acknowledged: the delivery comes \
@@ -774,6 +783,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
                 relay_lease_outlasted(harness, engines).await
             }
             "relay_shutdown_releases_unpublished_rows" => relay_shutdown_releases(harness, engines).await,
+            "relay_run_drains_a_backlog_back_to_back_while_completions_lag" => {
+                crate::relay_cases::run_drains_a_backlog_while_completions_lag(harness, engines).await
+            }
             "inbox_commit_failure_is_not_acknowledged" => inbox_commit_failure(harness, engines).await,
             "consumer_concurrent_keeps_key_order_and_applies_once" => {
                 crate::consumer_cases::consumer_concurrent_keeps_key_order_and_applies_once(harness).await

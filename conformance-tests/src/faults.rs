@@ -8,14 +8,15 @@
 //! decorators only decide *when* things go wrong, and record what the driving code asked for.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::{
-    Broker, ConsumerGroup, DeadLetter, Destination, Error, ErrorKind, Event, EventId, Fingerprint, Inbox, InboxAdmin,
-    LedgerState, MarkOutcome, Marker, Result, Retry, Subscription, VersionOutcome,
+    Broker, Claimed, Completion, ConsumerGroup, DeadLetter, Destination, Error, ErrorKind, Event, EventId, Fingerprint,
+    Inbox, InboxAdmin, Lease, LedgerState, MarkOutcome, Marker, OutboxStore, Outcome, Result, Retry, RowId,
+    Subscription, VersionOutcome, Wakeup,
 };
 use tokio::sync::Notify;
 
@@ -322,5 +323,109 @@ impl<I: Inbox> EffectTable<FailingCommit<I>> for EffectsThrough<I> {
 
     async fn rows(&self) -> Result<Vec<EffectRow>> {
         self.0.rows().await
+    }
+}
+
+/// An [`OutboxStore`] decorator whose completions lag behind the relay's other stages, and that
+/// counts the rows it saw completed.
+///
+/// Each `complete` and `complete_many` lets other tasks run [`LAG_YIELDS`] times before it is
+/// forwarded, so a relay that pipelines its batches has several of them published and waiting
+/// for their outcomes while it decides whether to claim again: the moment where a claim stage
+/// that waits for a completion's signal, and is never sent one, stops for good. Every row the
+/// inner store answers [`Completion::Published`] is counted and announced, so a case waits for a
+/// drain to finish on a signal, with a deadline, instead of polling the store.
+///
+/// Everything else is forwarded, [`OutboxStore::one_writer`] and [`OutboxStore::wakeup`]
+/// included (a relay treats the decorated store as it treats the backend's own).
+pub struct LaggingCompletions {
+    inner: Arc<dyn OutboxStore>,
+    published: AtomicUsize,
+    moved: Notify,
+}
+
+/// Yields before each completion: more than a [`Faulty`] publish takes, so that on an in-process
+/// broker the next batch's publish ends before this batch's outcomes are recorded.
+pub const LAG_YIELDS: usize = 4 * YIELDS;
+
+impl LaggingCompletions {
+    /// Wrap `inner`.
+    pub fn new(inner: Arc<dyn OutboxStore>) -> Self {
+        Self { inner, published: AtomicUsize::new(0), moved: Notify::new() }
+    }
+
+    /// Rows completed as published so far.
+    pub fn published(&self) -> usize {
+        self.published.load(Ordering::SeqCst)
+    }
+
+    /// Wait until at least `n` rows were completed as published; `false` if `limit` passed
+    /// first.
+    pub async fn wait_published(&self, n: usize, limit: Duration) -> bool {
+        let waited = tokio::time::timeout(limit, async {
+            loop {
+                let signal = self.moved.notified();
+                if self.published() >= n {
+                    return;
+                }
+                signal.await;
+            }
+        });
+        waited.await.is_ok()
+    }
+
+    async fn lag(&self) {
+        for _ in 0..LAG_YIELDS {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn count(&self, outcomes: &[Completion]) {
+        let n = outcomes.iter().filter(|c| **c == Completion::Published).count();
+        self.published.fetch_add(n, Ordering::SeqCst);
+        self.moved.notify_waiters();
+    }
+}
+
+#[async_trait]
+impl OutboxStore for LaggingCompletions {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
+        self.inner.enqueue(events).await
+    }
+    async fn claim(&self, owner: &str, limit: usize, lease: Duration) -> Result<Vec<Claimed>> {
+        self.inner.claim(owner, limit, lease).await
+    }
+    async fn complete(&self, row: RowId, lease: &Lease) -> Result<Completion> {
+        self.lag().await;
+        let done = self.inner.complete(row, lease).await?;
+        self.count(&[done]);
+        Ok(done)
+    }
+    async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
+        self.lag().await;
+        let done = self.inner.complete_many(rows).await?;
+        self.count(&done);
+        Ok(done)
+    }
+    async fn fail(&self, row: RowId, lease: &Lease, retry_after: Duration, error: &str) -> Result<Outcome> {
+        self.inner.fail(row, lease, retry_after, error).await
+    }
+    async fn park(&self, row: RowId, lease: &Lease, reason: &str) -> Result<Outcome> {
+        self.inner.park(row, lease, reason).await
+    }
+    async fn extend(&self, row: RowId, lease: &Lease, by: Duration) -> Result<Outcome> {
+        self.inner.extend(row, lease, by).await
+    }
+    async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome> {
+        self.inner.release(row, lease).await
+    }
+    fn wakeup(&self) -> Option<Wakeup> {
+        self.inner.wakeup()
+    }
+    fn one_writer(&self) -> bool {
+        self.inner.one_writer()
     }
 }

@@ -12,6 +12,7 @@ pub mod invariants;
 pub mod mutants;
 mod order;
 pub mod reference;
+mod relay_cases;
 pub mod runner;
 pub mod script;
 pub mod service;

@@ -108,6 +108,10 @@ pub enum Mutant {
     /// A relay that claims as many rows again after a batch outlasted its lease: two relays
     /// can take one slow batch from each other forever.
     RelayKeepsBatchSizeAfterLeaseLost,
+    /// A relay whose `run`, after a full batch, waits for a signal nobody sends before it claims
+    /// again (as a pipeline's claim stage waiting for an outcome that the completion stage no
+    /// longer announces): the rows still due stay pending until shutdown.
+    RelayStallsAfterAFullBatch,
     /// A consumer runtime that acknowledges after the effect, before the inbox commit.
     AckThenCommit,
     /// A consumer runtime that acknowledges a foreign message without a dead letter.
@@ -123,7 +127,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 32] = [
+    pub const ALL: [Mutant; 33] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -151,6 +155,7 @@ impl Mutant {
         Mutant::RelayKeepsLeasesOnShutdown,
         Mutant::RelayParksOnRefusedCredentials,
         Mutant::RelayKeepsBatchSizeAfterLeaseLost,
+        Mutant::RelayStallsAfterAFullBatch,
         Mutant::AckThenCommit,
         Mutant::DropsForeign,
         Mutant::AckForeignBeforeRecord,
@@ -175,7 +180,8 @@ impl Mutant {
             | Self::RelayPublishesOneKeyConcurrently
             | Self::RelayKeepsLeasesOnShutdown
             | Self::RelayParksOnRefusedCredentials
-            | Self::RelayKeepsBatchSizeAfterLeaseLost => relay(self),
+            | Self::RelayKeepsBatchSizeAfterLeaseLost
+            | Self::RelayStallsAfterAFullBatch => relay(self),
             Self::AckThenCommit => {
                 Engines::default().with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckThenCommit)
             }
@@ -232,6 +238,9 @@ impl fmt::Display for Mutant {
             Self::RelayParksOnRefusedCredentials => "relay that parks a row when the broker refuses its credentials",
             Self::RelayKeepsBatchSizeAfterLeaseLost => {
                 "relay that claims as many rows again after a batch outlasted its lease"
+            }
+            Self::RelayStallsAfterAFullBatch => {
+                "relay whose run waits after a full batch for a signal nobody sends (rows due stay pending)"
             }
             Self::AckThenCommit => "ack inside commit, before the inbox commit",
             Self::DropsForeign => "foreign messages acknowledged without a dead letter",
@@ -1067,8 +1076,15 @@ impl RelayUnderTest for WrongRelay {
     async fn run(&self) -> Result<BatchReport> {
         while !self.stopping() {
             let stopped = self.stopped.notified();
-            if matches!(self.batch().await, Ok(r) if r.claimed > 0) {
-                continue;
+            let limit = self.limit.load(Ordering::SeqCst) as u64;
+            match self.batch().await {
+                Ok(r) if r.claimed == limit && self.fault == Mutant::RelayStallsAfterAFullBatch => {
+                    // "The completion will wake us": it never does; only shutdown ends the wait.
+                    stopped.await;
+                    continue;
+                }
+                Ok(r) if r.claimed > 0 => continue,
+                _ => {}
             }
             if self.stopping() {
                 break;

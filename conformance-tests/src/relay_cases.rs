@@ -1,0 +1,142 @@
+//! [`Relay::run`](outbox_core::Relay::run)'s promise to run batches back to back while there is
+//! work, judged over a backlog of many batches.
+//!
+//! The other relay cases drive one batch at a time (`run_once`) or stop `run` at its first
+//! publish. A relay that, with several batches in flight, waits for a signal nobody sends passes
+//! them all: seen in the reference relay itself, when on a store with one writer its claim stage
+//! waited for a busy broker or a recorded outcome and the completion stage no longer announced
+//! the outcomes it recorded (store-sqlite's relay tests hung; all 57 cases passed). Here `run`
+//! drains a backlog of twelve batches at pipeline depth 2 through a store whose completions lag
+//! ([`LaggingCompletions`]), with nothing from outside to wake it (no enqueue, no shutdown, no
+//! clock advance), and every row and the broker's contents are read back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::store::all_rows;
+use outbox_core::{EventId, RowStatus};
+
+use crate::cases::{
+    CaseResult, RELAY_WAIT, describe, key_order_broken, keyed_fixture, receive_ids, relay_config, row_of,
+};
+use crate::engines::Engines;
+use crate::faults::{Faulty, LaggingCompletions};
+use crate::harness::Harness;
+use crate::world::suite_group;
+
+macro_rules! ensure {
+    ($case:expr, $cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
+        }
+    };
+}
+
+/// Rows per claim: small, so that the backlog is many batches.
+const BATCH: usize = 3;
+/// Keys, each with [`ROWS_PER_KEY`] rows interleaved in row order, so that every key's later
+/// rows wait for its earlier ones in other batches.
+const KEYS: usize = 12;
+const ROWS_PER_KEY: usize = 3;
+/// How long the drain may take: twelve small batches take milliseconds in memory and well under
+/// a second on the real servers; a relay that stops claiming is failed after this, not hung.
+const DRAIN_WAIT: Duration = Duration::from_secs(10);
+/// Unpublished rows named in a failure (the rest are counted).
+const NAMED: usize = 4;
+
+/// `relay_run_drains_a_backlog_back_to_back_while_completions_lag`.
+pub(crate) async fn run_drains_a_backlog_while_completions_lag<H: Harness>(
+    h: &H,
+    engines: &Engines,
+) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "relay_run_drains_a_backlog_back_to_back_while_completions_lag";
+    let names: Vec<String> = (0..KEYS).map(|k| format!("k{k:02}")).collect();
+    let keys: Vec<&str> = (0..ROWS_PER_KEY).flat_map(|_| names.iter().map(String::as_str)).collect();
+    let (fx, _clock, events) = keyed_fixture(h, CASE, &keys).await?;
+    let wait = h.capabilities().delivery_wait;
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let lagging = Arc::new(LaggingCompletions::new(fx.store.clone()));
+    let faulty = Faulty::new(fx.broker.clone());
+    let config = relay_config("relay-A").with_batch_size(BATCH).with_pipeline_depth(2);
+    let relay = engines.relay(lagging.clone(), faulty.shared(), config);
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run().await }
+    });
+    let drained = lagging.wait_published(events.len(), DRAIN_WAIT).await;
+    let published = lagging.published();
+    relay.shutdown();
+    let totals = match tokio::time::timeout(RELAY_WAIT, running).await {
+        Ok(joined) => joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("relay task: {e}")))??,
+        Err(_) => {
+            return Ok(CaseResult::fail(
+                CASE,
+                "",
+                format!(
+                    "the relay did not stop within {RELAY_WAIT:?} of the shutdown ({published} of {} rows published)",
+                    events.len()
+                ),
+            ));
+        }
+    };
+    let rows = all_rows(fx.store.as_ref()).await?;
+    if !drained {
+        let pending: Vec<String> = events
+            .iter()
+            .filter_map(|e| row_of(&rows, e).filter(|r| r.status != RowStatus::Published).map(describe))
+            .collect();
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!(
+                "Relay::run had {published} of {} rows completed as published within {DRAIN_WAIT:?} while rows \
+                 were due (nothing from outside woke it, as nothing needs to); {} unpublished at the shutdown, \
+                 first {:?}; totals {totals:?}",
+                events.len(),
+                pending.len(),
+                &pending[..pending.len().min(NAMED)]
+            ),
+        ));
+    }
+    for e in &events {
+        let r = row_of(&rows, e);
+        ensure!(
+            CASE,
+            r.is_some_and(|r| r.status == RowStatus::Published
+                && r.published_token == Some(r.token)
+                && r.owner.as_deref() == Some("relay-A")),
+            "{} is {} (expected published by relay-A's token)",
+            e.id,
+            r.map_or("missing".into(), describe)
+        );
+    }
+    ensure!(
+        CASE,
+        totals.published == events.len() as u64 && totals.fenced == 0,
+        "run reported {totals:?} for {} rows published once each",
+        events.len()
+    );
+    let log = faulty.log();
+    if let Some((key, n)) = log.overlapping_keys.iter().next() {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!("{n} rows of key {key} were being published at the same time (publish calls: {:?})", log.started),
+        ));
+    }
+    let ids: Vec<EventId> = events.iter().map(|e| e.id.clone()).collect();
+    let received = receive_ids(sub.as_mut(), &ids, wait).await?;
+    let missing: Vec<&EventId> = ids.iter().filter(|id| !received.iter().any(|e| &e.id == *id)).collect();
+    ensure!(CASE, missing.is_empty(), "published but never received: {missing:?}");
+    if let Some((key, want, got)) = key_order_broken(&events, &received) {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!("key {key} reached the broker as {got:?}, row order is {want:?}"),
+        ));
+    }
+    Ok(CaseResult::Passed(format!(
+        "{} rows of {KEYS} keys in batches of {BATCH} at depth 2, completions lagging: all published; totals {totals:?}",
+        events.len()
+    )))
+}

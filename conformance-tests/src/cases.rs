@@ -1570,7 +1570,6 @@ pub(crate) fn relay_config(owner: &str) -> RelayConfig {
         .with_owner(owner)
         .with_batch_size(64)
         .with_lease(LEASE)
-        .with_concurrency(8)
         .with_max_attempts(10)
         .with_backoff(Backoff::none())
         .with_idle_poll(Duration::from_millis(20))

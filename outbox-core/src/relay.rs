@@ -187,10 +187,16 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Lease length per claim.
     pub lease: Duration,
-    /// Kept for compatibility; the relay no longer reads it. The relay hands each batch to
+    /// Kept for compatibility; the relay does not read it. The relay hands each batch to
     /// [`Broker::publish_batch`], and the broker's batching decides how many publishes are in
     /// flight (the default `publish_batch` runs up to 16 keys at once; one key is always
-    /// sequential).
+    /// sequential); [`pipeline_depth`](Self::pipeline_depth) sets how many batches are at the
+    /// broker at once.
+    #[deprecated(
+        since = "0.1.0",
+        note = "not read by the relay: the broker's `publish_batch` decides how many publishes are in flight; \
+                `pipeline_depth` sets the batches at the broker"
+    )]
     pub concurrency: usize,
     /// Batches at the broker at once (at least 1). With 2, the next batch is published while
     /// this one's publish is still waiting for the broker's acknowledgements; one more batch is
@@ -220,6 +226,8 @@ pub struct RelayConfig {
 }
 
 impl Default for RelayConfig {
+    // Sets the deprecated `concurrency` to the value it always had.
+    #[allow(deprecated)]
     fn default() -> Self {
         Self {
             owner: format!("relay-{}", std::process::id()),
@@ -263,10 +271,18 @@ impl RelayConfig {
         self
     }
 
-    /// Set [`concurrency`](Self::concurrency).
+    /// Set [`concurrency`](Self::concurrency), which the relay does not read.
+    #[deprecated(
+        since = "0.1.0",
+        note = "not read by the relay: the broker's `publish_batch` decides how many publishes are in flight; \
+                use `with_pipeline_depth` for the batches at the broker"
+    )]
     #[must_use]
     pub fn with_concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency;
+        #[allow(deprecated)]
+        {
+            self.concurrency = concurrency;
+        }
         self
     }
 

@@ -465,7 +465,7 @@ async fn key_order_holds_within_a_batch_and_a_failure_holds_back_its_key() {
     let relay = Relay::new(
         Arc::new(store.clone()),
         Arc::new(Scripted::new(broker.clone(), vec![transient()])),
-        config("r").with_concurrency(1).with_backoff(Backoff::none()),
+        config("r").with_backoff(Backoff::none()),
     );
     let r = relay.run_once().await.unwrap();
     assert_eq!((r.published, r.retried, r.released), (2, 1, 1));

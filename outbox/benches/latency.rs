@@ -198,8 +198,8 @@ async fn main() {
         settings.events()
     );
     println!(
-        "  relay batch {} concurrency {} idle poll {IDLE_POLL:?}; seed {seed} (BENCH_SEED={seed} to repeat)",
-        defaults.batch_size, defaults.concurrency
+        "  relay batch {} pipeline depth {} idle poll {IDLE_POLL:?}; seed {seed} (BENCH_SEED={seed} to repeat)",
+        defaults.batch_size, defaults.pipeline_depth
     );
     println!(
         "  PostgreSQL {} schema {schema} (channel {}); Redis {} stream {}",

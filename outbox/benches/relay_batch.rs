@@ -184,10 +184,10 @@ async fn main() {
     println!("relay_batch: PostgreSQL relay + instant broker, raw SQL as the baseline");
     println!(
         "  server {}  schema {schema}  backlog {rows} rows of {PAYLOAD} B  owner {OWNER:?} ({} bytes)  \
-         lease {LEASE:?}  concurrency {}  (no randomness: no seed)",
+         lease {LEASE:?}  pipeline depth {}  (no randomness: no seed)",
         config.redacted_url(),
         OWNER.len(),
-        RelayConfig::default().concurrency,
+        RelayConfig::default().pipeline_depth,
     );
 
     let mut raw_conn = PgConnection::connect_with(&config.connect_options().unwrap()).await.unwrap();

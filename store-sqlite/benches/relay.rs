@@ -57,9 +57,9 @@ async fn main() {
     let dir = tempfile::tempdir().expect("temporary directory");
     println!(
         "outbox-store-sqlite bench: {EVENTS} events, enqueue in batches of {BATCH}, one relay (batch {}, \
-         concurrency {}) into the in-memory broker; median of {ROUNDS} rounds; files in {}",
+         pipeline depth {}) into the in-memory broker; median of {ROUNDS} rounds; files in {}",
         RelayConfig::default().batch_size,
-        RelayConfig::default().concurrency,
+        RelayConfig::default().pipeline_depth,
         dir.path().display()
     );
     let mut rows: Vec<(String, Duration, Duration)> = Vec::new();

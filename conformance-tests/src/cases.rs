@@ -1613,6 +1613,20 @@ pub(crate) fn row_of<'a>(rows: &'a [RowSnapshot], e: &Event) -> Option<&'a RowSn
     rows.iter().find(|r| r.event.id == e.id)
 }
 
+/// The first of `events` whose row is not published by `owner` under its latest token,
+/// described; `None` when every one is.
+pub(crate) fn not_published_by(rows: &[RowSnapshot], events: &[Event], owner: &str) -> Option<String> {
+    events.iter().find_map(|e| {
+        let r = row_of(rows, e);
+        let ok = r.is_some_and(|r| {
+            r.status == RowStatus::Published && r.published_token == Some(r.token) && r.owner.as_deref() == Some(owner)
+        });
+        (!ok).then(|| {
+            format!("{} is {} (expected published by {owner}'s token)", e.id, r.map_or("missing".into(), describe))
+        })
+    })
+}
+
 pub(crate) fn describe(r: &RowSnapshot) -> String {
     format!(
         "{} {:?} attempts={} token={} owner={:?} published_token={:?}",
@@ -1898,12 +1912,8 @@ async fn relay_key_order<H: Harness>(h: &H, engines: &Engines) -> outbox_core::R
         }
     }
     let log = faulty.log();
-    if let Some((key, n)) = log.overlapping_keys.iter().next() {
-        return Ok(CaseResult::fail(
-            CASE,
-            "",
-            format!("{n} rows of key {key} were being published at the same time (publish calls: {:?})", log.started),
-        ));
+    if let Some(overlap) = log.overlap() {
+        return Ok(CaseResult::fail(CASE, "", overlap));
     }
     let rows = all_rows(fx.store.as_ref()).await?;
     for e in &events {
@@ -1980,17 +1990,8 @@ async fn relay_lease_outlasted<H: Harness>(h: &H, engines: &Engines) -> outbox_c
         }
     }
     let rows = all_rows(fx.store.as_ref()).await?;
-    for e in &events {
-        let r = row_of(&rows, e);
-        ensure!(
-            CASE,
-            r.is_some_and(|r| r.status == RowStatus::Published
-                && r.published_token == Some(r.token)
-                && r.owner.as_deref() == Some("relay-A")),
-            "{} is {} (expected published by relay-A's token)",
-            e.id,
-            r.map_or("missing".into(), describe)
-        );
+    if let Some(row) = not_published_by(&rows, &events, "relay-A") {
+        return Ok(CaseResult::fail(CASE, "", row));
     }
     Ok(CaseResult::Passed(format!("first batch {first:?}; next claim {} rows", next.claimed)))
 }

@@ -87,6 +87,16 @@ pub struct PublishLog {
     pub overlapping_keys: BTreeMap<String, usize>,
 }
 
+impl PublishLog {
+    /// A key that had two or more publishes in flight at once, said with every publish call;
+    /// `None` when none did.
+    pub fn overlap(&self) -> Option<String> {
+        self.overlapping_keys.iter().next().map(|(key, n)| {
+            format!("{n} rows of key {key} were being published at the same time (publish calls: {:?})", self.started)
+        })
+    }
+}
+
 /// An injected failure: kind, retry class, message.
 type Injected = (ErrorKind, Retry, String);
 

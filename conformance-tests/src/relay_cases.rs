@@ -17,7 +17,8 @@ use outbox_core::store::all_rows;
 use outbox_core::{EventId, RowStatus};
 
 use crate::cases::{
-    CaseResult, RELAY_WAIT, describe, key_order_broken, keyed_fixture, receive_ids, relay_config, row_of,
+    CaseResult, RELAY_WAIT, describe, key_order_broken, keyed_fixture, not_published_by, receive_ids, relay_config,
+    row_of,
 };
 use crate::engines::Engines;
 use crate::faults::{Faulty, LaggingCompletions};
@@ -98,17 +99,8 @@ pub(crate) async fn run_drains_a_backlog_while_completions_lag<H: Harness>(
             ),
         ));
     }
-    for e in &events {
-        let r = row_of(&rows, e);
-        ensure!(
-            CASE,
-            r.is_some_and(|r| r.status == RowStatus::Published
-                && r.published_token == Some(r.token)
-                && r.owner.as_deref() == Some("relay-A")),
-            "{} is {} (expected published by relay-A's token)",
-            e.id,
-            r.map_or("missing".into(), describe)
-        );
+    if let Some(row) = not_published_by(&rows, &events, "relay-A") {
+        return Ok(CaseResult::fail(CASE, "", row));
     }
     ensure!(
         CASE,
@@ -117,12 +109,8 @@ pub(crate) async fn run_drains_a_backlog_while_completions_lag<H: Harness>(
         events.len()
     );
     let log = faulty.log();
-    if let Some((key, n)) = log.overlapping_keys.iter().next() {
-        return Ok(CaseResult::fail(
-            CASE,
-            "",
-            format!("{n} rows of key {key} were being published at the same time (publish calls: {:?})", log.started),
-        ));
+    if let Some(overlap) = log.overlap() {
+        return Ok(CaseResult::fail(CASE, "", overlap));
     }
     let ids: Vec<EventId> = events.iter().map(|e| e.id.clone()).collect();
     let received = receive_ids(sub.as_mut(), &ids, wait).await?;

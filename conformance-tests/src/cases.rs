@@ -451,7 +451,7 @@ pub fn all_cases() -> Vec<Case> {
             class: "Relay::run",
             property: "run claims again as long as rows are due: a backlog of many batches at pipeline depth 2, \
                        whose outcomes are recorded late, is published in full with nothing from outside to wake \
-                       the relay; every row published once under its claim's token, each key in row order",
+                       the relay; each row recorded published once, under its claim's token, each key in row order",
             needs: &[],
             body: Function,
         },

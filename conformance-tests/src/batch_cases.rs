@@ -15,14 +15,6 @@ use crate::cases::{CaseResult, key_order_broken, receive_ids};
 use crate::harness::{Fixture, Harness};
 use crate::world::{next_bounded, suite_group, unique_tag};
 
-macro_rules! ensure {
-    ($case:expr, $cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
-        }
-    };
-}
-
 /// A fresh fixture whose destination the suite's group receives, and that backend's delivery
 /// wait.
 async fn fixture<H: Harness>(h: &H, case: &str) -> outbox_core::Result<(Fixture<H::Inbox>, std::time::Duration)> {

@@ -834,14 +834,6 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
     }
 }
 
-macro_rules! ensure {
-    ($case:expr, $cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
-        }
-    };
-}
-
 async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "f5_concurrent_duplicates";
     const ROUNDS: usize = 10;
@@ -891,7 +883,7 @@ async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<Case
             }));
         }
         for t in tasks {
-            let Ok(joined) = tokio::time::timeout(RELAY_WAIT, t).await else {
+            if joined_within(t, "handling task").await?.is_none() {
                 return Ok(CaseResult::fail(
                     CASE,
                     "",
@@ -900,8 +892,7 @@ async fn f5_concurrent_duplicates<H: Harness>(h: &H) -> outbox_core::Result<Case
                         e.id
                     ),
                 ));
-            };
-            joined.map_err(|e| outbox_core::Error::invalid_input("suite", e.to_string()))??;
+            }
         }
     }
     // Losers were negatively acknowledged: their redeliveries must be duplicates.
@@ -1563,6 +1554,19 @@ async fn store_stats<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
 /// shutdown) before failing with a message.
 pub(crate) const RELAY_WAIT: Duration = Duration::from_secs(30);
 
+/// `task`'s own result if it ends within [`RELAY_WAIT`]; `None` if it does not, so that the
+/// caller fails the case saying what did not finish. A task that panicked is an error of the
+/// suite, named `what`.
+pub(crate) async fn joined_within<T>(
+    task: tokio::task::JoinHandle<outbox_core::Result<T>>,
+    what: &str,
+) -> outbox_core::Result<Option<T>> {
+    match tokio::time::timeout(RELAY_WAIT, task).await {
+        Ok(joined) => joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("{what}: {e}")))?.map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
 /// The relay configuration of the relay cases: no backoff (a failed row is due again at once),
 /// several lanes in flight, the suite's lease.
 pub(crate) fn relay_config(owner: &str) -> RelayConfig {
@@ -1768,11 +1772,9 @@ async fn store_concurrent_claims<H: Harness>(h: &H) -> outbox_core::Result<CaseR
         .collect();
     let mut all: Vec<(i64, u64, String)> = Vec::new();
     for t in tasks {
-        let Ok(joined) = tokio::time::timeout(RELAY_WAIT, t).await else {
+        let Some((owner, got, finished)) = joined_within(t, "claimer task").await? else {
             return Ok(CaseResult::fail(CASE, "", format!("a claimer did not finish within {RELAY_WAIT:?}")));
         };
-        let (owner, got, finished) =
-            joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("claimer task: {e}")))??;
         ensure!(
             CASE,
             finished,
@@ -1961,11 +1963,8 @@ async fn relay_lease_outlasted<H: Harness>(h: &H, engines: &Engines) -> outbox_c
     clock.advance(LEASE + Duration::from_millis(1));
     let stolen = fx.store.claim("relay-B", BATCH, LEASE).await?;
     hold.release.open();
-    let first = match tokio::time::timeout(RELAY_WAIT, first).await {
-        Ok(joined) => joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("relay task: {e}")))??,
-        Err(_) => {
-            return Ok(CaseResult::fail(CASE, "", format!("the first batch did not settle within {RELAY_WAIT:?}")));
-        }
+    let Some(first) = joined_within(first, "relay task").await? else {
+        return Ok(CaseResult::fail(CASE, "", format!("the first batch did not settle within {RELAY_WAIT:?}")));
     };
     ensure!(
         CASE,
@@ -2012,15 +2011,12 @@ async fn relay_shutdown_releases<H: Harness>(h: &H, engines: &Engines) -> outbox
     }
     relay.shutdown();
     hold.release.open();
-    let totals = match tokio::time::timeout(RELAY_WAIT, running).await {
-        Ok(joined) => joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("relay task: {e}")))??,
-        Err(_) => {
-            return Ok(CaseResult::fail(
-                CASE,
-                "",
-                format!("the relay did not stop within {RELAY_WAIT:?} of the shutdown (its held publish was released)"),
-            ));
-        }
+    let Some(totals) = joined_within(running, "relay task").await? else {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!("the relay did not stop within {RELAY_WAIT:?} of the shutdown (its held publish was released)"),
+        ));
     };
     let rows = all_rows(fx.store.as_ref()).await?;
     let held = faulty.log().started.first().cloned();

@@ -57,14 +57,6 @@ impl<I: Inbox> Handler<I> for Staggered<I> {
     }
 }
 
-macro_rules! ensure {
-    ($case:expr, $cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
-        }
-    };
-}
-
 /// `Consumer::drain` with `max_in_flight(8)` over 3 keys × 10 events, every event on the broker
 /// twice: one effect per event, one marker per event, each key's effects committed in publish
 /// order, and nothing left unacknowledged.

@@ -1,5 +1,15 @@
 #![doc = include_str!("../README.md")]
 
+/// Fail the case (`return Ok(CaseResult::fail(..))`) with a formatted message unless `$cond`
+/// holds; every case module uses it (`CaseResult` must be in scope).
+macro_rules! ensure {
+    ($case:expr, $cond:expr, $($msg:tt)+) => {
+        if !$cond {
+            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
+        }
+    };
+}
+
 mod batch_cases;
 pub mod cases;
 mod consumer_cases;

@@ -15,21 +15,13 @@ use outbox_core::store::all_rows;
 use outbox_core::{Backoff, ErrorKind, Event, EventId, ParkedHead, Retry, RowId, RowStatus};
 
 use crate::cases::{
-    CaseResult, RELAY_WAIT, describe, key_order_broken, keyed_fixture, keyed_fixture_with, receive_ids, relay_config,
-    row_of,
+    CaseResult, RELAY_WAIT, describe, joined_within, key_order_broken, keyed_fixture, keyed_fixture_with, receive_ids,
+    relay_config, row_of,
 };
 use crate::engines::Engines;
 use crate::faults::Faulty;
 use crate::harness::Harness;
 use crate::world::{LEASE, suite_group, unique_tag};
-
-macro_rules! ensure {
-    ($case:expr, $cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
-        }
-    };
-}
 
 /// How long a failed row backs off in these cases (the clock is advanced past it by hand).
 const BACKOFF: Duration = Duration::from_secs(10);
@@ -143,11 +135,9 @@ pub(crate) async fn holds_under_concurrent_claims<H: Harness>(h: &H) -> outbox_c
         .collect();
     let mut claims: Vec<Vec<RowId>> = Vec::new();
     for t in tasks {
-        let Ok(joined) = tokio::time::timeout(RELAY_WAIT, t).await else {
+        let Some((mine, finished)) = joined_within(t, "claimer task").await? else {
             return Ok(CaseResult::fail(CASE, "", format!("a claimer did not finish within {RELAY_WAIT:?}")));
         };
-        let (mine, finished) =
-            joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("claimer task: {e}")))??;
         ensure!(CASE, finished, "a claimer was still getting rows after {} claims", rows_total(KEYS, PER_KEY) + 1);
         claims.extend(mine);
     }
@@ -284,9 +274,8 @@ pub(crate) async fn two_relays_first_offers_follow_row_order<H: Harness>(
     }
     let b_first = b.run_once().await;
     hold.release.open();
-    let a_first = match tokio::time::timeout(RELAY_WAIT, running).await {
-        Ok(joined) => joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("relay task: {e}")))??,
-        Err(_) => return Ok(CaseResult::fail(CASE, "", format!("relay A did not finish within {RELAY_WAIT:?}"))),
+    let Some(a_first) = joined_within(running, "relay task").await? else {
+        return Ok(CaseResult::fail(CASE, "", format!("relay A did not finish within {RELAY_WAIT:?}")));
     };
     let b_first = b_first?;
     ensure!(CASE, b_first.published > 0, "relay B published nothing while A held one publish: other keys must flow");

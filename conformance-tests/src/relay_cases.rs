@@ -17,21 +17,13 @@ use outbox_core::store::all_rows;
 use outbox_core::{EventId, RowStatus};
 
 use crate::cases::{
-    CaseResult, RELAY_WAIT, describe, key_order_broken, keyed_fixture, not_published_by, receive_ids, relay_config,
-    row_of,
+    CaseResult, RELAY_WAIT, describe, joined_within, key_order_broken, keyed_fixture, not_published_by, receive_ids,
+    relay_config, row_of,
 };
 use crate::engines::Engines;
 use crate::faults::{Faulty, LaggingCompletions};
 use crate::harness::Harness;
 use crate::world::suite_group;
-
-macro_rules! ensure {
-    ($case:expr, $cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
-        }
-    };
-}
 
 /// Rows per claim: small, so that the backlog is many batches.
 const BATCH: usize = 3;
@@ -67,18 +59,15 @@ pub(crate) async fn run_drains_a_backlog_while_completions_lag<H: Harness>(
     let drained = lagging.wait_published(events.len(), DRAIN_WAIT).await;
     let published = lagging.published();
     relay.shutdown();
-    let totals = match tokio::time::timeout(RELAY_WAIT, running).await {
-        Ok(joined) => joined.map_err(|e| outbox_core::Error::invalid_input("suite", format!("relay task: {e}")))??,
-        Err(_) => {
-            return Ok(CaseResult::fail(
-                CASE,
-                "",
-                format!(
-                    "the relay did not stop within {RELAY_WAIT:?} of the shutdown ({published} of {} rows published)",
-                    events.len()
-                ),
-            ));
-        }
+    let Some(totals) = joined_within(running, "relay task").await? else {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!(
+                "the relay did not stop within {RELAY_WAIT:?} of the shutdown ({published} of {} rows published)",
+                events.len()
+            ),
+        ));
     };
     let rows = all_rows(fx.store.as_ref()).await?;
     if !drained {

@@ -23,14 +23,6 @@ use crate::cases::{CaseResult, describe, row_of};
 use crate::harness::Harness;
 use crate::world::{LEASE, unique_tag};
 
-macro_rules! ensure {
-    ($case:expr, $cond:expr, $($msg:tt)+) => {
-        if !$cond {
-            return Ok(CaseResult::fail($case, "", format!($($msg)+)));
-        }
-    };
-}
-
 /// How long the blocked middle row backs off (the clock is advanced past it by hand).
 const BACKOFF: Duration = Duration::from_secs(10);
 

@@ -26,7 +26,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers as _, Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::Notify;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::KafkaConfig;
 use crate::{BACKEND, EVENT_ID_HEADER, blocking, error};
@@ -51,6 +51,9 @@ struct PartitionState {
     /// Highest offset ever delivered by this subscription, across epochs: a fetch at or below
     /// it is a redelivery.
     seen_max: Option<i64>,
+    /// A fetch of this partition was dropped since the last assignment change (it was not
+    /// assigned to this member): warned about once, then counted quietly.
+    dropped: bool,
 }
 
 impl PartitionState {
@@ -60,6 +63,7 @@ impl PartitionState {
         self.pending.clear();
         self.next = None;
         self.committed = None;
+        self.dropped = false;
     }
 
     fn live(&self, epoch: u64) -> bool {
@@ -100,15 +104,19 @@ impl Tracker {
         self.redeliver.retain(|r| r.partition != partition);
     }
 
-    /// Record a fetched message; `None` when its partition is not assigned to this member.
-    fn register(&mut self, partition: i32, offset: i64) -> Option<(u64, bool)> {
-        let p = self.partitions.get_mut(&partition).filter(|p| p.assigned)?;
+    /// Record a fetched message; `Err(first)` when its partition is not assigned to this member,
+    /// `first` for the first such fetch since the partition's last assignment change.
+    fn register(&mut self, partition: i32, offset: i64) -> std::result::Result<(u64, bool), bool> {
+        let p = self.partitions.entry(partition).or_default();
+        if !p.assigned {
+            return Err(!std::mem::replace(&mut p.dropped, true));
+        }
         let redelivered = p.seen_max.is_some_and(|max| offset <= max);
         p.seen_max = Some(p.seen_max.map_or(offset, |m| m.max(offset)));
         p.pending.insert(offset, false);
         p.committed.get_or_insert(offset);
         p.next = Some(p.next.map_or(offset + 1, |n| n.max(offset + 1)));
-        Some((p.epoch, redelivered))
+        Ok((p.epoch, redelivered))
     }
 
     /// Mark `offset` done; the offset to commit if the contiguous done prefix moved past what
@@ -161,7 +169,7 @@ pub(crate) struct TrackingContext {
 impl ClientContext for TrackingContext {}
 
 impl ConsumerContext for TrackingContext {
-    fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         let (list, assigned) = match rebalance {
             Rebalance::Assign(list) => (list, true),
             Rebalance::Revoke(list) => (list, false),
@@ -176,7 +184,9 @@ impl ConsumerContext for TrackingContext {
                 tracker.rebalance(elem.partition(), assigned);
             }
         }
-        debug!(target: "outbox.kafka", topic = %self.topic, assigned,
+        // Rare and the first thing to read when a group stops consuming: info, not debug.
+        // `lost`: taken away by a session timeout or a fenced member, not handed over.
+        info!(target: "outbox.kafka", topic = %self.topic, assigned, lost = !assigned && consumer.assignment_lost(),
             partitions = ?list.elements().iter().map(|e| e.partition()).collect::<Vec<_>>(), "rebalance");
     }
 }
@@ -323,9 +333,20 @@ impl KafkaSubscription {
     /// no longer owns.
     fn accept(inner: &Arc<Inner>, message: &OwnedMessage) -> Option<Received> {
         let (partition, offset) = (message.partition(), message.offset());
-        let Some((epoch, redelivered)) = lock(&inner.tracker).register(partition, offset) else {
-            debug!(target: "outbox.kafka", topic = %inner.destination, partition, offset, "dropped fetch of a revoked partition");
-            return None;
+        let (epoch, redelivered) = match lock(&inner.tracker).register(partition, offset) {
+            Ok(registered) => registered,
+            // librdkafka stops fetching a partition when it is revoked, so this is rare; a stream
+            // of them would mean the member fetches what it does not own (and skips it), which
+            // is worth one line at warn.
+            Err(true) => {
+                warn!(target: "outbox.kafka", topic = %inner.destination, partition, offset,
+                    "dropped a fetch of a partition not assigned to this member (further ones at debug)");
+                return None;
+            }
+            Err(false) => {
+                debug!(target: "outbox.kafka", topic = %inner.destination, partition, offset, "dropped fetch of a revoked partition");
+                return None;
+            }
         };
         let item = match decode_checked(&inner.destination, message) {
             Ok(event) => Item::Event(event),
@@ -632,9 +653,13 @@ mod tests {
         t.rebalance(3, false);
         assert!(t.take_redelivery().is_none());
         assert!(t.ack(3, e, 5).is_err());
-        assert!(t.register(3, 6).is_none());
+        assert_eq!(t.register(3, 6), Err(true), "the first fetch dropped since the revocation is reported");
+        assert_eq!(t.register(3, 7), Err(false), "later ones are not");
+        assert_eq!(t.register(4, 0), Err(true), "a partition never assigned: dropped and reported");
         t.rebalance(3, true);
         let (_, redelivered) = t.register(3, 5).unwrap();
         assert!(redelivered, "offset 5 was delivered before by this subscription");
+        t.rebalance(3, false);
+        assert_eq!(t.register(3, 8), Err(true), "reported again after the next assignment change");
     }
 }

@@ -157,7 +157,9 @@ impl Fleet {
                 (name, a)
             }
         };
-        args.extend(["--log".to_string(), "warn".to_string()]);
+        // Warnings and errors, and the Kafka adapter's assignment changes (info): what an
+        // incomplete drain prints from these logs (`stuck::print_consumer_log_tails`).
+        args.extend(["--log".to_string(), "warn,outbox.kafka=info".to_string()]);
         let log_path = self.logs.join(format!("{name}.log"));
         let log =
             OpenOptions::new().create(true).append(true).open(&log_path).map_err(|e| io("opening", &log_path, e))?;

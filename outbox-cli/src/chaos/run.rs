@@ -292,6 +292,7 @@ async fn play_in(
             Ok(Err(e)) => println!("{}: cannot tell where the missing effects are: {e}", combo.name),
             Err(_) => println!("{}: cannot tell where the missing effects are: the broker did not answer", combo.name),
         }
+        super::stuck::print_consumer_log_tails(combo.name, &logs);
     }
     stop.store(true, Ordering::SeqCst);
     if let Some(s) = sampler {
@@ -366,18 +367,21 @@ async fn unapplied_explained(
     destination: &Destination,
     group: &ConsumerGroup,
 ) -> Result<u64> {
-    let rows = site.rows().await?;
-    let effects = site.effects().await?;
-    let dead: std::collections::BTreeSet<String> =
-        site.inbox_admin().dead_letters(CONSUMER).await?.iter().map(|d| d.event.id.to_string()).collect();
-    let unapplied = rows
-        .iter()
-        .filter(|(id, r)| {
-            r.published_ms.is_some() && r.parked.is_none() && !dead.contains(*id) && !effects.contains_key(*id)
-        })
-        .map(|(id, _)| id.clone())
-        .collect();
-    super::stuck::explain(combo.name, env.kafka(), destination, group, &unapplied).await
+    // Read by `explain` after the group's positions (see there).
+    let unapplied = async {
+        let rows = site.rows().await?;
+        let effects = site.effects().await?;
+        let dead: std::collections::BTreeSet<String> =
+            site.inbox_admin().dead_letters(CONSUMER).await?.iter().map(|d| d.event.id.to_string()).collect();
+        Ok(rows
+            .iter()
+            .filter(|(id, r)| {
+                r.published_ms.is_some() && r.parked.is_none() && !dead.contains(*id) && !effects.contains_key(*id)
+            })
+            .map(|(id, _)| id.clone())
+            .collect())
+    };
+    super::stuck::explain(combo.name, env.kafka(), destination, group, unapplied).await
 }
 
 async fn read<T>(f: impl std::future::Future<Output = Result<T>>) -> Result<T> {

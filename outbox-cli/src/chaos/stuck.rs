@@ -14,23 +14,34 @@ use outbox::{ConsumerGroup, Destination, Result};
 /// How many unapplied event ids are printed at most.
 const SHOWN: usize = 10;
 
-/// Print what the broker says about the events in `unapplied` (published, not parked, not
+/// Print what the broker says about the events `unapplied` yields (published, not parked, not
 /// dead-lettered, without their effect). Returns how many of them lie below the group's
 /// committed position: deliveries the group will never be offered again.
+///
+/// On Kafka the group's positions are read before `unapplied` runs: a member commits only past
+/// deliveries it applied, so every record below a position read first has its effect in a
+/// read made after it. Read the other way round, consumers still at work (a drain cut short)
+/// commit past records that were unapplied a moment earlier, and a slow group looks like a lost
+/// one.
 pub(crate) async fn explain(
     combo: &str,
     kafka: Option<&KafkaBroker>,
     destination: &Destination,
     group: &ConsumerGroup,
-    unapplied: &BTreeSet<String>,
+    unapplied: impl std::future::Future<Output = Result<BTreeSet<String>>>,
 ) -> Result<u64> {
+    let positions = match kafka {
+        Some(broker) => Some(broker.group_positions(destination, group).await?),
+        None => None,
+    };
+    let unapplied = unapplied.await?;
     let shown: Vec<&str> = unapplied.iter().take(SHOWN).map(String::as_str).collect();
     println!("{combo}: {} published events without their effect, first: {}", unapplied.len(), shown.join(", "));
-    match kafka {
-        Some(broker) => on_kafka(combo, broker, destination, group, unapplied).await,
+    match (kafka, positions) {
+        (Some(broker), Some(positions)) => on_kafka(combo, broker, destination, &positions, &unapplied).await,
         // Redis and RabbitMQ redeliver what was not acknowledged by themselves (pending entries
         // claimed, unacked messages requeued); there is no committed position to pass.
-        None => Ok(0),
+        _ => Ok(0),
     }
 }
 
@@ -38,10 +49,9 @@ async fn on_kafka(
     combo: &str,
     broker: &KafkaBroker,
     destination: &Destination,
-    group: &ConsumerGroup,
+    positions: &[GroupPosition],
     unapplied: &BTreeSet<String>,
 ) -> Result<u64> {
-    let positions = broker.group_positions(destination, group).await?;
     // Each unapplied event's last copy per partition: a copy the group passed is lost only if
     // no later copy (a relay's re-publish) is still ahead of it.
     let mut last: BTreeMap<i32, BTreeMap<String, i64>> = BTreeMap::new();
@@ -53,7 +63,7 @@ async fn on_kafka(
         }
     }
     let mut passed = 0u64;
-    for p in &positions {
+    for p in positions {
         let mut offsets: Vec<i64> =
             last.get(&p.partition).map(|events| events.values().copied().collect()).unwrap_or_default();
         offsets.sort_unstable();
@@ -87,9 +97,155 @@ fn partition_line(p: &GroupPosition, offsets: &[i64]) -> Option<(u64, String)> {
     Some((below, format!("records {}..{}, committed {committed}; {span}; {verdict}", p.low, p.high)))
 }
 
+/// Lines of each consumer's log printed after an incomplete drain.
+const LOG_TAIL: usize = 12;
+
+/// Print, for each consumer log in `logs` (`consumer-<n>.log`, every generation of that worker
+/// appended), its last [`LOG_TAIL`] lines that say what the member held or what went wrong:
+/// assignment changes (`rebalance`, logged at info by the Kafka adapter) and warnings or
+/// errors. The directory is kept after a failed run but not on a CI machine; these lines are
+/// in the run's output, so a stall can be read from the CI log alone (which member last held
+/// which partitions, whether it lost them, and whether it said anything since).
+pub(crate) fn print_consumer_log_tails(combo: &str, logs: &std::path::Path) {
+    let mut files: Vec<std::path::PathBuf> = match std::fs::read_dir(logs) {
+        Ok(dir) => dir
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("consumer-")))
+            .collect(),
+        Err(e) => {
+            println!("{combo}: cannot read the consumers' logs in {}: {e}", logs.display());
+            return;
+        }
+    };
+    files.sort();
+    for file in files {
+        let name = file.file_stem().and_then(|n| n.to_str()).unwrap_or("consumer").to_string();
+        let text = match std::fs::read(&file) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) => {
+                println!("{combo}: {name}: cannot read {}: {e}", file.display());
+                continue;
+            }
+        };
+        let tail = telling_lines(&text, LOG_TAIL);
+        println!("{combo}: {name}: last {} of its rebalance, warning and error lines:", tail.len());
+        for line in tail {
+            println!("{combo}:   {name}: {line}");
+        }
+    }
+}
+
+/// The last `n` lines of `log` that are assignment changes, warnings or errors, without the
+/// terminal colour codes the workers write.
+fn telling_lines(log: &str, n: usize) -> Vec<String> {
+    let mut found: Vec<String> = log
+        .lines()
+        .map(strip_ansi)
+        .filter(|l| l.contains(" rebalance") || l.contains(" WARN ") || l.contains(" ERROR "))
+        .collect();
+    let skip = found.len().saturating_sub(n);
+    found.drain(..skip);
+    found
+}
+
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC '[' parameters, ending at a letter.
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A group still at work between the two reads (a drain cut short): the unapplied set was
+    /// read while e1 and e2 were unapplied, then the member applied and committed them. With the
+    /// positions read first, nothing is called passed; read after the set (as before this
+    /// order was fixed), both would have been reported lost.
+    #[tokio::test]
+    async fn positions_read_before_the_unapplied_set_do_not_call_a_working_group_lossy() {
+        use outbox::kafka::KafkaConfig;
+        use outbox::{Broker as _, Event, EventId};
+        use outbox_conformance_tests::service;
+        let url = service::kafka_url();
+        if !service::require_service("kafka", "kafka", &service::service_addr(&url)) {
+            return;
+        }
+        let broker = KafkaBroker::connect(KafkaConfig::from_url(&url).unwrap()).await.unwrap();
+        let dest = Destination::new(format!("stuck-order-{}", std::process::id())).unwrap();
+        let group = ConsumerGroup::new("stuck-order").unwrap();
+        broker.declare(&dest, std::slice::from_ref(&group)).await.unwrap();
+        for id in ["e0", "e1", "e2"] {
+            let event = Event::new(EventId::new(id).unwrap(), dest.clone(), id.as_bytes().to_vec()).with_key("k");
+            broker.publish(&event).await.unwrap();
+        }
+        let mut sub = broker.subscribe(&dest, &group).await.unwrap();
+        let mut deliveries = Vec::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while deliveries.len() < 3 {
+            assert!(std::time::Instant::now() < deadline, "3 deliveries within 30 s, got {}", deliveries.len());
+            if let Some(d) = sub.next(std::time::Duration::from_secs(1)).await.unwrap() {
+                deliveries.push(d);
+            }
+        }
+        let mut deliveries = deliveries.into_iter();
+        deliveries.next().unwrap().ack().await.unwrap();
+        let unapplied = async move {
+            let set: BTreeSet<String> = ["e1", "e2"].map(String::from).into();
+            for d in deliveries {
+                d.ack().await?;
+            }
+            Ok(set)
+        };
+        let passed = explain("test", Some(&broker), &dest, &group, unapplied).await.unwrap();
+        let positions = broker.group_positions(&dest, &group).await.unwrap();
+        drop(sub);
+        broker.delete_topic(&dest).await.unwrap();
+        assert_eq!(
+            positions.iter().map(|p| p.committed).collect::<Vec<_>>(),
+            [Some(3)],
+            "the group committed all three"
+        );
+        assert_eq!(passed, 0, "e1 and e2 were applied after the positions were read: none passed");
+    }
+
+    #[test]
+    fn log_tails_keep_the_last_rebalance_warning_and_error_lines_without_colours() {
+        let log = "\u{1b}[2m2026-12-06T09:06:03Z\u{1b}[0m \u{1b}[32m INFO\u{1b}[0m outbox.kafka: rebalance topic=t assigned=true lost=false partitions=[0, 2]
+2026-12-06T09:06:04Z  INFO outbox.chaos: consumer started
+2026-12-06T09:06:05Z  WARN outbox.consumer: receive failed error=AllBrokersDown
+2026-12-06T09:06:06Z ERROR rdkafka::client: librdkafka: Global error
+2026-12-06T09:06:07Z  INFO outbox.kafka: rebalance topic=t assigned=false lost=true partitions=[0, 2]
+";
+        let tail = telling_lines(log, 3);
+        assert_eq!(
+            tail,
+            [
+                "2026-12-06T09:06:05Z  WARN outbox.consumer: receive failed error=AllBrokersDown",
+                "2026-12-06T09:06:06Z ERROR rdkafka::client: librdkafka: Global error",
+                "2026-12-06T09:06:07Z  INFO outbox.kafka: rebalance topic=t assigned=false lost=true partitions=[0, 2]",
+            ]
+        );
+        let all = telling_lines(log, 12);
+        assert_eq!(all.len(), 4, "the 'consumer started' line is not one of them: {all:?}");
+        assert_eq!(
+            all[0],
+            "2026-12-06T09:06:03Z  INFO outbox.kafka: rebalance topic=t assigned=true lost=false partitions=[0, 2]"
+        );
+    }
 
     fn at(committed: Option<i64>) -> GroupPosition {
         GroupPosition { partition: 2, low: 0, high: 1250, committed }

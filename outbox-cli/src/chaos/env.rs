@@ -179,6 +179,12 @@ impl Env {
         self.broker.failed_internally()
     }
 
+    /// The broker's log file, where the runner started the broker and it logs what a stalled
+    /// group needs (see [`Server::log_file`](super::servers::Server::log_file)).
+    pub(crate) fn broker_log(&self) -> Option<std::path::PathBuf> {
+        self.broker.log_file()
+    }
+
     /// Restart PostgreSQL; its name and downtime.
     pub(crate) async fn restart_pg(&self) -> Result<(String, Duration)> {
         let pg = self.pg.as_ref().ok_or_else(|| Error::invalid_input("chaos", "this combination has no PostgreSQL"))?;

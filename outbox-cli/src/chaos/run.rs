@@ -292,7 +292,7 @@ async fn play_in(
             Ok(Err(e)) => println!("{}: cannot tell where the missing effects are: {e}", combo.name),
             Err(_) => println!("{}: cannot tell where the missing effects are: the broker did not answer", combo.name),
         }
-        super::stuck::print_consumer_log_tails(combo.name, &logs);
+        super::stuck::print_log_tails(combo.name, &logs, env.broker_log().as_deref());
     }
     stop.store(true, Ordering::SeqCst);
     if let Some(s) = sampler {

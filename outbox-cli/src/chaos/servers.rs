@@ -93,6 +93,17 @@ pub(crate) trait Server: Send + Sync {
     fn failed_internally(&self) -> Option<String> {
         None
     }
+
+    /// The server's own log file, when the runner started the server and it logs something
+    /// worth reading after a run that does not drain.
+    ///
+    /// # Behavior
+    /// - tansu: its log, with its consumer group coordinator at `info` (members that missed
+    ///   their heartbeat, new group leaders);
+    /// - the others: `None`.
+    fn log_file(&self) -> Option<PathBuf> {
+        None
+    }
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; the usual small race applies).
@@ -147,24 +158,26 @@ fn panic_in_log(path: &Path, from: u64) -> Option<String> {
     let mut lines = text.lines();
     let at = lines.by_ref().find(|l| l.contains("panicked at"))?;
     let message = lines.next().unwrap_or_default();
-    let plain = |l: &str| {
-        let mut out = String::with_capacity(l.len());
-        let mut chars = l.chars();
-        while let Some(c) = chars.next() {
-            if c == '\u{1b}' {
-                // An ANSI escape: ESC [ … letter.
-                for c in chars.by_ref() {
-                    if c.is_ascii_alphabetic() {
-                        break;
-                    }
+    Some(format!("{}: {}", strip_ansi(at).trim(), strip_ansi(message).trim()))
+}
+
+/// `line` without terminal colours (ANSI escapes: ESC `[` … letter), as the workers' and the
+/// servers' logs are read back into the run's output.
+pub(crate) fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
                 }
-            } else {
-                out.push(c);
             }
+        } else {
+            out.push(c);
         }
-        out.trim().to_string()
-    };
-    Some(format!("{}: {}", plain(at), plain(message)))
+    }
+    out
 }
 
 fn temp_dir(name: &str) -> Result<TempDir, String> {
@@ -308,8 +321,7 @@ async fn wait_ready(
 /// A server process the runner started and owns: its data directory, log and child.
 struct OwnedProcess {
     name: &'static str,
-    program: PathBuf,
-    args: Vec<OsString>,
+    launch: Launch,
     addr: SocketAddr,
     probe: Probe,
     ready_limit: Duration,
@@ -323,11 +335,18 @@ struct OwnedProcess {
     dir: TempDir,
 }
 
+/// What an [`OwnedProcess`] runs, at its start and at every restart.
+struct Launch {
+    program: PathBuf,
+    args: Vec<OsString>,
+    /// Environment variables set on the process, besides the runner's own.
+    env: &'static [(&'static str, &'static str)],
+}
+
 impl OwnedProcess {
     async fn start(
         name: &'static str,
-        program: PathBuf,
-        args: Vec<OsString>,
+        launch: Launch,
         addr: SocketAddr,
         probe: Probe,
         ready_limit: Duration,
@@ -336,8 +355,7 @@ impl OwnedProcess {
         let log = dir.path().join(format!("{name}.log"));
         let p = OwnedProcess {
             name,
-            program,
-            args,
+            launch,
             addr,
             probe,
             ready_limit,
@@ -361,14 +379,15 @@ impl OwnedProcess {
         let _ = writeln!(&log, "---- chaos runner: starting {} ----", self.name);
         self.log_start.store(log.metadata().map(|m| m.len()).unwrap_or(0), Ordering::SeqCst);
         let err = log.try_clone().map_err(|e| format!("{}: {e}", self.name))?;
-        let child = Command::new(&self.program)
-            .args(&self.args)
+        let child = Command::new(&self.launch.program)
+            .args(&self.launch.args)
+            .envs(self.launch.env.iter().copied())
             .current_dir(self.dir.path())
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
             .spawn()
-            .map_err(|e| format!("{}: cannot start {}: {e}", self.name, self.program.display()))?;
+            .map_err(|e| format!("{}: cannot start {}: {e}", self.name, self.launch.program.display()))?;
         *self.child.lock().unwrap_or_else(PoisonError::into_inner) = Some(child);
         Ok(())
     }
@@ -447,7 +466,15 @@ impl RedisNode {
             "--protected-mode".into(),
             "yes".into(),
         ];
-        let proc = OwnedProcess::start("redis", program, args, loopback(port), Probe::Redis, REDIS_READY, dir).await?;
+        let proc = OwnedProcess::start(
+            "redis",
+            Launch { program, args, env: &[] },
+            loopback(port),
+            Probe::Redis,
+            REDIS_READY,
+            dir,
+        )
+        .await?;
         Ok(RedisNode { proc })
     }
 
@@ -524,7 +551,15 @@ impl TansuNode {
             "--storage-engine".into(),
             "sqlite://tansu.db".into(),
         ];
-        let proc = OwnedProcess::start("kafka", program, args, loopback(port), Probe::Kafka, TANSU_READY, dir).await?;
+        let proc = OwnedProcess::start(
+            "kafka",
+            Launch { program, args, env: TANSU_ENV },
+            loopback(port),
+            Probe::Kafka,
+            TANSU_READY,
+            dir,
+        )
+        .await?;
         let node = TansuNode { proc, advertised };
         index_tansu_headers(&node.storage_file())?;
         Ok(node)
@@ -570,7 +605,16 @@ impl Server for TansuNode {
     fn failed_internally(&self) -> Option<String> {
         self.proc.panic_since_start()
     }
+
+    fn log_file(&self) -> Option<PathBuf> {
+        Some(self.proc.log.clone())
+    }
 }
+
+/// tansu logs nothing by default; its group coordinator's `info` lines (a member evicted for a
+/// missed heartbeat, a new leader) are few, and what to read when a consumer group stops
+/// consuming (see [`Server::log_file`]).
+const TANSU_ENV: &[(&str, &str)] = &[("RUST_LOG", "tansu_broker::coordinator::group=info")];
 
 /// Name of the index [`index_tansu_headers`] adds to tansu's database.
 pub(crate) const TANSU_HEADER_INDEX: &str = "outbox_chaos_header_record";

@@ -97,16 +97,18 @@ fn partition_line(p: &GroupPosition, offsets: &[i64]) -> Option<(u64, String)> {
     Some((below, format!("records {}..{}, committed {committed}; {span}; {verdict}", p.low, p.high)))
 }
 
-/// Lines of each consumer's log printed after an incomplete drain.
+/// Lines of each log printed after an incomplete drain.
 const LOG_TAIL: usize = 12;
 
 /// Print, for each consumer log in `logs` (`consumer-<n>.log`, every generation of that worker
 /// appended), its last [`LOG_TAIL`] lines that say what the member held or what went wrong:
 /// assignment changes (`rebalance`, logged at info by the Kafka adapter) and warnings or
-/// errors. The directory is kept after a failed run but not on a CI machine; these lines are
-/// in the run's output, so a stall can be read from the CI log alone (which member last held
-/// which partitions, whether it lost them, and whether it said anything since).
-pub(crate) fn print_consumer_log_tails(combo: &str, logs: &std::path::Path) {
+/// errors; then the last lines of the broker's own log, where the runner keeps one (tansu's
+/// group coordinator: members evicted, leaders chosen). The directory is kept after a failed
+/// run but not on a CI machine; these lines are in the run's output, so a stall can be read
+/// from the CI log alone (which member last held which partitions, whether it lost them,
+/// whether it said anything since, and what the coordinator did).
+pub(crate) fn print_log_tails(combo: &str, logs: &std::path::Path, broker_log: Option<&std::path::Path>) {
     let mut files: Vec<std::path::PathBuf> = match std::fs::read_dir(logs) {
         Ok(dir) => dir
             .flatten()
@@ -115,56 +117,55 @@ pub(crate) fn print_consumer_log_tails(combo: &str, logs: &std::path::Path) {
             .collect(),
         Err(e) => {
             println!("{combo}: cannot read the consumers' logs in {}: {e}", logs.display());
-            return;
+            Vec::new()
         }
     };
     files.sort();
     for file in files {
         let name = file.file_stem().and_then(|n| n.to_str()).unwrap_or("consumer").to_string();
-        let text = match std::fs::read(&file) {
-            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-            Err(e) => {
-                println!("{combo}: {name}: cannot read {}: {e}", file.display());
-                continue;
-            }
-        };
-        let tail = telling_lines(&text, LOG_TAIL);
-        println!("{combo}: {name}: last {} of its rebalance, warning and error lines:", tail.len());
-        for line in tail {
-            println!("{combo}:   {name}: {line}");
-        }
+        print_tail(combo, &name, &file, "its rebalance, warning and error lines", telling_lines);
+    }
+    if let Some(file) = broker_log {
+        print_tail(combo, "broker", file, "its log lines", |text, n| {
+            last_lines(text.lines().map(super::servers::strip_ansi).filter(|l| !l.trim().is_empty()), n)
+        });
     }
 }
 
-/// The last `n` lines of `log` that are assignment changes, warnings or errors, without the
-/// terminal colour codes the workers write.
-fn telling_lines(log: &str, n: usize) -> Vec<String> {
-    let mut found: Vec<String> = log
-        .lines()
-        .map(strip_ansi)
-        .filter(|l| l.contains(" rebalance") || l.contains(" WARN ") || l.contains(" ERROR "))
-        .collect();
+/// Print the lines `pick` chooses from `file` (at most [`LOG_TAIL`]), each prefixed with the
+/// combination and `name`; a file that cannot be read is said so, not skipped.
+fn print_tail(combo: &str, name: &str, file: &std::path::Path, what: &str, pick: impl Fn(&str, usize) -> Vec<String>) {
+    let text = match std::fs::read(file) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) => {
+            println!("{combo}: {name}: cannot read {}: {e}", file.display());
+            return;
+        }
+    };
+    let tail = pick(&text, LOG_TAIL);
+    println!("{combo}: {name}: last {} of {what}:", tail.len());
+    for line in tail {
+        println!("{combo}:   {name}: {line}");
+    }
+}
+
+/// The last `n` of `lines`.
+fn last_lines(lines: impl Iterator<Item = String>, n: usize) -> Vec<String> {
+    let mut found: Vec<String> = lines.collect();
     let skip = found.len().saturating_sub(n);
     found.drain(..skip);
     found
 }
 
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // CSI: ESC '[' parameters, ending at a letter.
-            for d in chars.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
+/// The last `n` lines of `log` that are assignment changes, warnings or errors, without the
+/// terminal colour codes the workers write.
+fn telling_lines(log: &str, n: usize) -> Vec<String> {
+    last_lines(
+        log.lines()
+            .map(super::servers::strip_ansi)
+            .filter(|l| l.contains(" rebalance") || l.contains(" WARN ") || l.contains(" ERROR ")),
+        n,
+    )
 }
 
 #[cfg(test)]

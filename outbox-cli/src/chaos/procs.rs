@@ -158,7 +158,7 @@ impl Fleet {
             }
         };
         // Warnings and errors, and the Kafka adapter's assignment changes (info): what an
-        // incomplete drain prints from these logs (`stuck::print_consumer_log_tails`).
+        // incomplete drain prints from these logs (`stuck::print_log_tails`).
         args.extend(["--log".to_string(), "warn,outbox.kafka=info".to_string()]);
         let log_path = self.logs.join(format!("{name}.log"));
         let log =

@@ -137,13 +137,19 @@ fn find_binary(name: &str, service: &str, extra: &[PathBuf]) -> Result<PathBuf, 
 
 /// The last lines of a log file, for error messages.
 fn log_tail(path: &Path) -> String {
-    let mut text = String::new();
-    if File::open(path).and_then(|mut f| f.read_to_string(&mut text)).is_err() {
-        return format!("(no log at {})", path.display());
+    match log_lines(path, 15, |_| true) {
+        Ok(lines) => format!("last lines of {}:\n{}", path.display(), lines.join("\n")),
+        Err(_) => format!("(no log at {})", path.display()),
     }
-    let lines: Vec<&str> = text.lines().collect();
-    let tail = lines[lines.len().saturating_sub(15)..].join("\n");
-    format!("last lines of {}:\n{tail}", path.display())
+}
+
+/// The last `n` lines of the log at `path` that `keep` accepts, without terminal colours
+/// (invalid UTF-8 replaced, not an error).
+pub(crate) fn log_lines(path: &Path, n: usize, keep: impl Fn(&str) -> bool) -> std::io::Result<Vec<String>> {
+    let text = String::from_utf8_lossy(&std::fs::read(path)?).into_owned();
+    let mut kept: Vec<String> = text.lines().map(strip_ansi).filter(|l| keep(l)).collect();
+    kept.drain(..kept.len().saturating_sub(n));
+    Ok(kept)
 }
 
 /// The first Rust panic in `path` after byte `from`: its `panicked at` line and the message on

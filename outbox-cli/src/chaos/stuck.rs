@@ -123,51 +123,32 @@ pub(crate) fn print_log_tails(combo: &str, logs: &std::path::Path, broker_log: O
     files.sort();
     for file in files {
         let name = file.file_stem().and_then(|n| n.to_str()).unwrap_or("consumer").to_string();
-        print_tail(combo, &name, &file, "its rebalance, warning and error lines", telling_lines);
+        print_tail(combo, &name, &file, "its rebalance, warning and error lines", telling);
     }
     if let Some(file) = broker_log {
-        print_tail(combo, "broker", file, "its log lines", |text, n| {
-            last_lines(text.lines().map(super::servers::strip_ansi).filter(|l| !l.trim().is_empty()), n)
-        });
+        print_tail(combo, "broker", file, "its log lines", |l| !l.trim().is_empty());
     }
 }
 
-/// Print the lines `pick` chooses from `file` (at most [`LOG_TAIL`]), each prefixed with the
+/// Print the last [`LOG_TAIL`] lines of `file` that `keep` accepts, each prefixed with the
 /// combination and `name`; a file that cannot be read is said so, not skipped.
-fn print_tail(combo: &str, name: &str, file: &std::path::Path, what: &str, pick: impl Fn(&str, usize) -> Vec<String>) {
-    let text = match std::fs::read(file) {
-        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-        Err(e) => {
-            println!("{combo}: {name}: cannot read {}: {e}", file.display());
-            return;
+fn print_tail(combo: &str, name: &str, file: &std::path::Path, what: &str, keep: impl Fn(&str) -> bool) {
+    match super::servers::log_lines(file, LOG_TAIL, keep) {
+        Ok(tail) => {
+            println!("{combo}: {name}: last {} of {what}:", tail.len());
+            for line in tail {
+                println!("{combo}:   {name}: {line}");
+            }
         }
-    };
-    let tail = pick(&text, LOG_TAIL);
-    println!("{combo}: {name}: last {} of {what}:", tail.len());
-    for line in tail {
-        println!("{combo}:   {name}: {line}");
+        Err(e) => println!("{combo}: {name}: cannot read {}: {e}", file.display()),
     }
 }
 
-/// The last `n` of `lines`.
-fn last_lines(lines: impl Iterator<Item = String>, n: usize) -> Vec<String> {
-    let mut found: Vec<String> = lines.collect();
-    let skip = found.len().saturating_sub(n);
-    found.drain(..skip);
-    found
-}
-
-/// The last `n` lines of `log` that are assignment changes, warnings or errors, without the
-/// terminal colour codes the workers write. librdkafka's `CONFWARN` at each start (the
-/// consumer's URL sets `max.poll.interval.ms`, which its producer ignores) says nothing about a
-/// stall and is left out.
-fn telling_lines(log: &str, n: usize) -> Vec<String> {
-    last_lines(
-        log.lines().map(super::servers::strip_ansi).filter(|l| {
-            (l.contains(" rebalance") || l.contains(" WARN ") || l.contains(" ERROR ")) && !l.contains(" CONFWARN ")
-        }),
-        n,
-    )
+/// Whether a consumer's log line (colours stripped) is an assignment change, a warning or an
+/// error. librdkafka's `CONFWARN` at each start (the consumer's URL sets `max.poll.interval.ms`,
+/// which its producer ignores) says nothing about a stall and is left out.
+fn telling(line: &str) -> bool {
+    (line.contains(" rebalance") || line.contains(" WARN ") || line.contains(" ERROR ")) && !line.contains(" CONFWARN ")
 }
 
 #[cfg(test)]
@@ -234,7 +215,9 @@ mod tests {
 2026-12-06T09:06:06Z ERROR rdkafka::client: librdkafka: Global error
 2026-12-06T09:06:07Z  INFO outbox.kafka: rebalance topic=t assigned=false lost=true partitions=[0, 2]
 ";
-        let tail = telling_lines(log, 3);
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), log).unwrap();
+        let tail = super::super::servers::log_lines(file.path(), 3, telling).unwrap();
         assert_eq!(
             tail,
             [
@@ -243,7 +226,7 @@ mod tests {
                 "2026-12-06T09:06:07Z  INFO outbox.kafka: rebalance topic=t assigned=false lost=true partitions=[0, 2]",
             ]
         );
-        let all = telling_lines(log, 12);
+        let all = super::super::servers::log_lines(file.path(), 12, telling).unwrap();
         assert_eq!(all.len(), 4, "neither the 'consumer started' line nor the CONFWARN is one of them: {all:?}");
         assert_eq!(
             all[0],

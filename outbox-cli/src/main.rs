@@ -88,7 +88,7 @@ enum Command {
     /// Kill relays and consumers, restart every server, cut connections — on a seeded schedule —
     /// then judge the contract from durable state and print one row per combination × fault.
     Chaos(chaos::ChaosArgs),
-    /// Throughput of P1–P8 against the real servers, each beside a raw baseline measured in the
+    /// Throughput of P1–P9 against the real servers, each beside a raw baseline measured in the
     /// same run: one table (ratio, goal, pass/fail), optionally a JSON file. Exit 0 when every
     /// subject ran (a ratio below its goal is a FAIL row, exit 3 only with `--strict`).
     Bench(bench::BenchArgs),

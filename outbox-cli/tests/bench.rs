@@ -14,7 +14,7 @@ use serde_json::Value;
 const LIMIT: Duration = Duration::from_secs(180);
 
 #[test]
-fn bench_p4_p5_reports_both_rows_with_positive_rates_over_two_runs() {
+fn bench_p4_p5_p9_reports_their_rows_with_positive_rates_over_two_runs() {
     let pg = service::pg_url();
     if !service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg)) {
         return;
@@ -23,7 +23,7 @@ fn bench_p4_p5_reports_both_rows_with_positive_rates_over_two_runs() {
     let json_path = dir.path().join("bench.json");
     let json_arg = json_path.to_str().unwrap();
     let out = run(
-        &["bench", "--events", "300", "--only", "P4,P5", "--seed", "7", "--repeat", "2", "--json", json_arg],
+        &["bench", "--events", "300", "--only", "P4,P5,P9", "--seed", "7", "--repeat", "2", "--json", json_arg],
         LIMIT,
     );
     let (stdout, stderr) = text(&out);
@@ -40,10 +40,10 @@ fn bench_p4_p5_reports_both_rows_with_positive_rates_over_two_runs() {
     let subjects = figures["subjects"].as_array().expect("subjects");
     let ran: Vec<(&str, &str)> =
         subjects.iter().map(|s| (s["subject"].as_str().unwrap(), s["status"].as_str().unwrap())).collect();
-    assert_eq!(ran, [("P4", "ran"), ("P5", "ran")], "{figures}");
+    assert_eq!(ran, [("P4", "ran"), ("P5", "ran"), ("P9", "ran")], "{figures}");
     let rows = figures["rows"].as_array().expect("rows");
     let ids: Vec<&str> = rows.iter().filter_map(|r| r["id"].as_str()).collect();
-    assert_eq!(ids, ["P4", "P5"], "only the subjects asked for: {figures}");
+    assert_eq!(ids, ["P4", "P5", "P9"], "only the subjects asked for: {figures}");
     for row in rows {
         let id = row["id"].as_str().unwrap();
         for field in ["measured_eps", "baseline_eps", "ratio"] {
@@ -84,6 +84,6 @@ fn bench_p4_p5_reports_both_rows_with_positive_rates_over_two_runs() {
 
 #[test]
 fn bench_rejects_an_unknown_subject_as_a_usage_error() {
-    let out = run(&["bench", "--only", "P9"], Duration::from_secs(30));
+    let out = run(&["bench", "--only", "P10"], Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
 }

@@ -10,24 +10,51 @@
 //! those sleeps. So the store's own short write transactions ([`Pool::write`]) take turns in
 //! the process first, and the lock passes from one to the next at once. Writers in other
 //! processes, and transactions the application holds open, still meet the busy handler.
+//!
+//! # Group commit
+//!
+//! With `synchronous=full` every commit waits for the disk (an fsync, a third of a millisecond
+//! or more), and a relay's claim of its next batch and its completion of the last one are often
+//! both waiting for the turn. So the write that gets the turn runs every write queued at that
+//! moment in one transaction, each in a savepoint of its own, and commits once: a write that
+//! fails is rolled back to its savepoint and gets its own error, the others commit. No write's
+//! caller hears of its result before the commit that makes it durable (or, if that commit fails,
+//! gets the commit's error). The writes of one group run in the order they were queued, one
+//! after another on one connection, so the group is what running them one by one would give.
+//! A write that finds the turn free and nothing queued runs alone, without the queue (through
+//! it, one producer alone was about a quarter slower).
+//!
+//! Measured with one store on a fresh file, each task enqueueing one 256-byte event at a time
+//! (4,000 in all), alternating with the pool before (one transaction per write), three runs
+//! each: 16 tasks 18.8k, 27.4k, 25.5k events/s in about 255 transactions against 3.6k, 3.8k,
+//! 4.6k; 4 tasks 8.9k, 9.7k, 10.4k against 3.5k, 3.5k, 4.3k; one task 3.7k, 3.0k, 3.5k against
+//! 3.5k, 3.6k, 3.3k. A relay's claim and its last batch's completion seldom wait at once (1,023 to
+//! 1,028 transactions for 1,028 writes in `outbox bench --only P5`): the relay gains nothing from it.
 
+use std::collections::VecDeque;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use outbox_core::{Error, ErrorKind, Result};
-use rusqlite::{Connection, Transaction};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use rusqlite::{Connection, Transaction, TransactionBehavior};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::config::SqliteConfig;
-use crate::error::BACKEND;
-use crate::store::write_tx;
+use crate::error::{BACKEND, map, map_commit};
 
 pub(crate) struct Pool {
     config: SqliteConfig,
     idle: Mutex<Vec<Connection>>,
     permits: Arc<Semaphore>,
-    /// One turn: held by the short write transaction of this pool that may take SQLite's lock.
-    writer: tokio::sync::Mutex<()>,
+    /// One turn: held by the group of this pool's short write transactions that may take
+    /// SQLite's lock, from before its connection is taken until its transaction has ended.
+    writer: Arc<tokio::sync::Mutex<()>>,
+    /// Writes waiting for a turn, in the order they came (module docs, "Group commit").
+    queue: Mutex<VecDeque<Queued>>,
+    next_write: AtomicU64,
+    /// Write transactions begun by [`Pool::write`] (groups, not writes).
+    transactions: AtomicU64,
 }
 
 impl fmt::Debug for Pool {
@@ -43,11 +70,26 @@ impl fmt::Debug for Pool {
 impl Pool {
     pub(crate) fn new(config: SqliteConfig, first: Connection) -> Arc<Self> {
         let permits = Arc::new(Semaphore::new(config.pool_size));
-        Arc::new(Self { config, idle: Mutex::new(vec![first]), permits, writer: tokio::sync::Mutex::const_new(()) })
+        Arc::new(Self {
+            config,
+            idle: Mutex::new(vec![first]),
+            permits,
+            writer: Arc::new(tokio::sync::Mutex::const_new(())),
+            queue: Mutex::new(VecDeque::new()),
+            next_write: AtomicU64::new(0),
+            transactions: AtomicU64::new(0),
+        })
     }
 
     pub(crate) fn config(&self) -> &SqliteConfig {
         &self.config
+    }
+
+    /// Write transactions [`Pool::write`] has begun: fewer than its calls when writes waiting at
+    /// once were committed together.
+    #[cfg(test)]
+    pub(crate) fn write_transactions(&self) -> u64 {
+        self.transactions.load(Ordering::Relaxed)
     }
 
     /// Wait for a free slot; the connection itself is taken (or opened) on the blocking thread.
@@ -70,29 +112,245 @@ impl Pool {
     }
 
     /// Run `f` in a `BEGIN IMMEDIATE` transaction on a pooled connection, when no other write of
-    /// this pool is running (see the module docs); rolled back if `f` or the commit fails. Waits
-    /// at most the busy timeout for its turn, then at most the busy timeout for SQLite's lock;
-    /// either wait running out is a transient [`ErrorKind::Busy`].
+    /// this pool is running (see the module docs), together with the other writes waiting then
+    /// ("Group commit"); rolled back (to its savepoint) if `f` fails, and returns only once the
+    /// transaction has committed or failed. Waits at most the busy timeout for its turn, then at
+    /// most the busy timeout for SQLite's lock; either wait running out is a transient
+    /// [`ErrorKind::Busy`].
     pub(crate) async fn write<T, F>(self: &Arc<Self>, what: &'static str, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&Transaction<'_>) -> Result<T> + Send + 'static,
     {
+        // Alone: a free turn and nothing queued, so nothing to commit with.
+        if let Ok(turn) = Arc::clone(&self.writer).try_lock_owned()
+            && self.queue().is_empty()
+        {
+            self.transactions.fetch_add(1, Ordering::Relaxed);
+            return self
+                .run(move |conn| {
+                    let _turn = turn;
+                    write_tx(conn, what, f)
+                })
+                .await;
+        }
+        let (reply, mut result) = oneshot::channel();
+        let id = self.next_write.fetch_add(1, Ordering::Relaxed);
+        self.queue().push_back(Queued { id, what, write: Box::new(Write { f, reply }) });
+        // A caller that goes away before its write is taken into a group takes it back.
+        let queued = Unqueue { pool: self, id };
+
         // Waiting for the turn counts as waiting for the lock: at most the busy timeout, then the
         // same transient `Busy` as SQLite's own wait gives, instead of queuing behind every write
-        // that is itself waiting out a lock held elsewhere.
+        // that is itself waiting out a lock held elsewhere. Another write's group may take this
+        // one along meanwhile: then its result comes without a turn.
         let timeout = self.config.busy_timeout;
-        let _turn = tokio::time::timeout(timeout, self.writer.lock()).await.map_err(|_| {
-            Error::transient(
-                ErrorKind::Busy,
-                BACKEND,
-                format!(
-                    "{what}: other writes of this store held the write lock for the whole busy timeout ({timeout:?})"
-                ),
-            )
-        })?;
-        self.run(move |conn| write_tx(conn, what, f)).await
+        let turn = tokio::select! {
+            biased;
+            out = &mut result => return delivered(out),
+            turn = tokio::time::timeout(timeout, Arc::clone(&self.writer).lock_owned()) => turn,
+        };
+        let Ok(turn) = turn else {
+            if queued.take_back() {
+                return Err(Error::transient(
+                    ErrorKind::Busy,
+                    BACKEND,
+                    format!(
+                        "{what}: other writes of this store held the write lock for the whole busy timeout ({timeout:?})"
+                    ),
+                ));
+            }
+            // Taken into a group that is running: its result is on the way.
+            return delivered(result.await);
+        };
+        // With the turn, no group is running: this write is either done or still queued.
+        if let Ok(out) = result.try_recv() {
+            return out;
+        }
+        let mut checkout = match self.checkout().await {
+            Ok(c) => c,
+            Err(e) => {
+                queued.take_back();
+                return Err(e);
+            }
+        };
+        if !checkout.connected()
+            && let Err(e) = checkout.run(|_| Ok(())).await
+        {
+            queued.take_back();
+            return Err(e);
+        }
+        let group: Vec<Queued> = self.queue().drain(..).collect();
+        self.transactions.fetch_add(1, Ordering::Relaxed);
+        // The turn ends with the transaction, on the blocking thread, even if this caller goes
+        // away meanwhile; the others' results are delivered from there too.
+        checkout
+            .run(move |conn| {
+                let _turn = turn;
+                commit_group(conn, group);
+                Ok(())
+            })
+            .await?;
+        delivered(result.await)
     }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Queued>> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Run `f` in a `BEGIN IMMEDIATE` transaction; rolled back if `f` or the commit fails.
+fn write_tx<T>(conn: &mut Connection, what: &str, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| map(what, e))?;
+    let out = f(&tx)?;
+    tx.commit().map_err(|e| map_commit(what, e))?;
+    Ok(out)
+}
+
+/// A write's result, or why it has none: its group's thread panicked (inside another write) or
+/// was cancelled before the write ran.
+fn delivered<T>(out: std::result::Result<Result<T>, oneshot::error::RecvError>) -> Result<T> {
+    out.unwrap_or_else(|_| {
+        Err(Error::permanent(
+            ErrorKind::Closed,
+            BACKEND,
+            "the write was abandoned with the transaction it was queued into (a write in it panicked)",
+        ))
+    })
+}
+
+/// A write waiting for a turn.
+struct Queued {
+    id: u64,
+    what: &'static str,
+    write: Box<dyn Pending>,
+}
+
+/// Takes a write out of the queue if its caller leaves before the write was taken into a group.
+struct Unqueue<'a> {
+    pool: &'a Pool,
+    id: u64,
+}
+
+impl Unqueue<'_> {
+    /// Whether the write was still queued (and now is not).
+    fn take_back(&self) -> bool {
+        let mut queue = self.pool.queue();
+        let Some(at) = queue.iter().position(|q| q.id == self.id) else { return false };
+        queue.remove(at);
+        true
+    }
+}
+
+impl Drop for Unqueue<'_> {
+    fn drop(&mut self) {
+        self.take_back();
+    }
+}
+
+/// One write of a group, its result type erased.
+trait Pending: Send {
+    /// Run the write's statements; the write's result waits for the group's commit.
+    fn run(self: Box<Self>, tx: &Transaction<'_>) -> Ran;
+    /// The write does not run: tell its caller why.
+    fn refuse(self: Box<Self>, error: Error);
+}
+
+struct Write<T, F> {
+    f: F,
+    reply: oneshot::Sender<Result<T>>,
+}
+
+/// A write that ran in the group's transaction, waiting for its commit.
+struct Ran {
+    ok: bool,
+    /// Hands the write's result to its caller: `None` once the group committed, else the error
+    /// that ended the group (a write that failed itself gets its own error either way).
+    deliver: Box<dyn FnOnce(Option<Error>) + Send>,
+}
+
+impl<T, F> Pending for Write<T, F>
+where
+    T: Send + 'static,
+    F: FnOnce(&Transaction<'_>) -> Result<T> + Send + 'static,
+{
+    fn run(self: Box<Self>, tx: &Transaction<'_>) -> Ran {
+        let Write { f, reply } = *self;
+        let out = f(tx);
+        Ran {
+            ok: out.is_ok(),
+            deliver: Box::new(move |ended| {
+                let out = match (out, ended) {
+                    (Ok(_), Some(e)) => Err(e),
+                    (out, _) => out,
+                };
+                // The caller may have gone away; its write is done either way.
+                let _ = reply.send(out);
+            }),
+        }
+    }
+
+    fn refuse(self: Box<Self>, error: Error) {
+        let _ = self.reply.send(Err(error));
+    }
+}
+
+/// Run `group` in one `BEGIN IMMEDIATE` transaction and commit it once (module docs, "Group
+/// commit"); every write's caller gets its result. A group of one runs as a plain transaction.
+fn commit_group(conn: &mut Connection, group: Vec<Queued>) {
+    let what = match group.as_slice() {
+        [] => return,
+        [one] => one.what.to_string(),
+        [first, rest @ ..] => format!("{} (one transaction with {} other writes)", first.what, rest.len()),
+    };
+    let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+        Ok(tx) => tx,
+        Err(e) => {
+            let e = map(&what, e);
+            group.into_iter().for_each(|q| q.write.refuse(e.clone()));
+            return;
+        }
+    };
+    if let [_] = group.as_slice() {
+        let ran: Vec<Ran> = group.into_iter().map(|q| q.write.run(&tx)).collect();
+        // A write that failed is rolled back, as any failed transaction, and gets its own error.
+        let ended = if ran.iter().all(|r| r.ok) { tx.commit().err().map(|e| map_commit(&what, e)) } else { None };
+        ran.into_iter().for_each(|r| (r.deliver)(ended.clone()));
+        return;
+    }
+    let mut ran: Vec<Ran> = Vec::with_capacity(group.len());
+    let mut waiting = group.into_iter();
+    let mut broken = None;
+    for q in waiting.by_ref() {
+        if let Err(e) = tx.execute_batch("SAVEPOINT outbox_write") {
+            broken = Some((map(q.what, e), Some(q)));
+            break;
+        }
+        let r = q.write.run(&tx);
+        let end = if r.ok { "RELEASE outbox_write" } else { "ROLLBACK TO outbox_write; RELEASE outbox_write" };
+        let ended = tx.execute_batch(end);
+        ran.push(r);
+        if let Err(e) = ended {
+            broken = Some((map(q.what, e), None));
+            break;
+        }
+    }
+    let ended = match broken {
+        // A savepoint could not be set or undone: nothing of the group is kept.
+        Some((e, unstarted)) => {
+            drop(tx);
+            let e = Error::new(
+                e.kind(),
+                e.retry(),
+                BACKEND,
+                format!("{what}: rolled back with every write of its transaction: {e}"),
+            );
+            unstarted.into_iter().chain(waiting).for_each(|q| q.write.refuse(e.clone()));
+            Some(e)
+        }
+        None => tx.commit().err().map(|e| map_commit(&what, e)),
+    };
+    ran.into_iter().for_each(|r| (r.deliver)(ended.clone()));
 }
 
 /// One slot of the pool: a permit and, between calls, its connection. Dropping it gives the
@@ -111,6 +369,11 @@ impl fmt::Debug for Checkout {
 }
 
 impl Checkout {
+    /// Whether this slot holds an open connection (else [`run`](Self::run) opens one first).
+    pub(crate) fn connected(&self) -> bool {
+        self.conn.is_some()
+    }
+
     /// Run `f` on this slot's connection (opening it if needed) on the blocking pool.
     ///
     /// If the future is dropped while `f` runs, the connection is closed when `f` returns (which
@@ -182,5 +445,159 @@ impl Drop for Checkout {
         {
             self.pool.idle.lock().unwrap_or_else(PoisonError::into_inner).push(conn);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::error::ResultExt;
+
+    /// One write of a test, its result ignored.
+    type TestWrite = Box<dyn FnOnce(&Transaction<'_>) -> Result<()> + Send>;
+
+    /// A pool on a fresh file with table `t` (unique names) holding the name `taken`, and
+    /// `child` whose deferred foreign key fails only at commit.
+    async fn pool(dir: &tempfile::TempDir) -> Arc<Pool> {
+        let config = SqliteConfig::new(dir.path().join("pool.db")).with_pool_size(2);
+        let pool = Pool::new(config.clone(), config.open_connection().unwrap());
+        pool.run(|c| {
+            c.execute_batch(
+                "CREATE TABLE t (name TEXT PRIMARY KEY);
+                 INSERT INTO t VALUES ('taken');
+                 CREATE TABLE child (parent TEXT REFERENCES t (name) DEFERRABLE INITIALLY DEFERRED);",
+            )
+            .ctx("create")
+        })
+        .await
+        .unwrap();
+        pool
+    }
+
+    /// Names in `t`, read on a connection of its own (committed state only).
+    fn committed(pool: &Pool) -> Vec<String> {
+        let conn = pool.config().open_connection().unwrap();
+        let mut stmt = conn.prepare("SELECT name FROM t ORDER BY name").unwrap();
+        stmt.query_map([], |r| r.get(0)).unwrap().collect::<rusqlite::Result<_>>().unwrap()
+    }
+
+    /// Hold the turn, queue `writes` behind it (waiting, bounded, until all are queued), let
+    /// them go, and return their results in order with the transactions they took.
+    async fn queued_behind_the_turn(pool: &Arc<Pool>, writes: Vec<TestWrite>) -> (Vec<Result<()>>, u64) {
+        let turn = Arc::clone(&pool.writer).lock_owned().await;
+        let n = writes.len();
+        let tasks: Vec<_> = writes
+            .into_iter()
+            .map(|w| {
+                let pool = Arc::clone(pool);
+                tokio::spawn(async move { pool.write("test write", w).await })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.queue().len() < n {
+            assert!(Instant::now() < deadline, "only {} of {n} writes queued within 10s", pool.queue().len());
+            tokio::task::yield_now().await;
+        }
+        let before = pool.write_transactions();
+        drop(turn);
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(tokio::time::timeout(Duration::from_secs(10), t).await.expect("a write within 10s").unwrap());
+        }
+        (out, pool.write_transactions() - before)
+    }
+
+    fn insert(name: &'static str) -> TestWrite {
+        Box::new(move |tx| tx.execute("INSERT INTO t VALUES (?1)", [name]).map(drop).ctx("insert"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_waiting_at_once_commit_in_one_transaction_and_a_failed_write_is_undone_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool(&dir).await;
+        // The third write inserts two names and then fails: its first insert must be undone.
+        let failing: TestWrite = Box::new(|tx| {
+            tx.execute("INSERT INTO t VALUES ('half')", []).ctx("insert")?;
+            tx.execute("INSERT INTO t VALUES ('taken')", []).map(drop).ctx("insert")
+        });
+        let (out, transactions) =
+            queued_behind_the_turn(&pool, vec![insert("a"), insert("b"), failing, insert("c")]).await;
+
+        assert_eq!(transactions, 1, "four writes waiting at once take one transaction");
+        let failed: Vec<usize> = out.iter().enumerate().filter(|(_, r)| r.is_err()).map(|(i, _)| i).collect();
+        assert_eq!(failed, vec![2], "only the write that failed gets an error: {out:?}");
+        assert_eq!(committed(&pool), ["a", "b", "c", "taken"], "the others committed, nothing of the failed one");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_returns_only_after_the_commit_that_makes_it_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool(&dir).await;
+        let turn = Arc::clone(&pool.writer).lock_owned().await;
+        let tasks: Vec<_> = ["p", "q", "r"]
+            .into_iter()
+            .map(|name| {
+                let pool = Arc::clone(&pool);
+                tokio::spawn(async move {
+                    pool.write("test write", move |tx| tx.execute("INSERT INTO t VALUES (?1)", [name]).ctx("insert"))
+                        .await?;
+                    // Read back at once, on a connection of its own: committed or not returned.
+                    Ok::<_, Error>(committed(&pool).contains(&name.to_string()))
+                })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.queue().len() < 3 {
+            assert!(Instant::now() < deadline, "writes not queued within 10s");
+            tokio::task::yield_now().await;
+        }
+        drop(turn);
+        for t in tasks {
+            let seen = tokio::time::timeout(Duration::from_secs(10), t).await.expect("within 10s").unwrap().unwrap();
+            assert!(seen, "a write returned before its row was committed");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_commit_reaches_every_write_of_its_transaction_and_keeps_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool(&dir).await;
+        // A row whose deferred foreign key fails only at the commit.
+        let orphan: TestWrite =
+            Box::new(|tx| tx.execute("INSERT INTO child VALUES ('nobody')", []).map(drop).ctx("insert orphan"));
+        let (out, transactions) = queued_behind_the_turn(&pool, vec![insert("x"), orphan, insert("y")]).await;
+
+        assert_eq!(transactions, 1);
+        for r in &out {
+            let e = r.as_ref().expect_err("the commit failed for the whole transaction");
+            assert!(e.operation().is_some_and(|o| o.contains("(commit)")), "the commit's error: {e}");
+        }
+        assert_eq!(committed(&pool), ["taken"], "nothing of the transaction was kept");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_whose_caller_left_before_its_turn_does_not_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool(&dir).await;
+        let turn = Arc::clone(&pool.writer).lock_owned().await;
+        let task = {
+            let pool = Arc::clone(&pool);
+            tokio::spawn(async move {
+                pool.write("test write", |tx| tx.execute("INSERT INTO t VALUES ('gone')", []).ctx("insert")).await
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.queue().is_empty() {
+            assert!(Instant::now() < deadline, "the write was not queued within 10s");
+            tokio::task::yield_now().await;
+        }
+        task.abort();
+        assert!(task.await.unwrap_err().is_cancelled());
+        assert!(pool.queue().is_empty(), "the write left the queue with its caller");
+        drop(turn);
+        pool.write("test write", |tx| tx.execute("INSERT INTO t VALUES ('after')", []).ctx("insert")).await.unwrap();
+        assert_eq!(committed(&pool), ["after", "taken"]);
     }
 }

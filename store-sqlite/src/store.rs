@@ -17,11 +17,11 @@ use outbox_core::{
     Timestamp, Wakeup, WakeupSender,
 };
 use rusqlite::types::Value;
-use rusqlite::{Connection, Transaction, TransactionBehavior};
+use rusqlite::{Connection, Transaction};
 
 use crate::config::SqliteConfig;
 use crate::enqueue::insert_events;
-use crate::error::{BACKEND, ResultExt, corrupt, map_commit};
+use crate::error::{BACKEND, ResultExt, corrupt};
 use crate::pool::Pool;
 use crate::schema;
 use outbox_core::event::decode_headers;
@@ -343,18 +343,6 @@ where
             Err(_) => Err(Error::permanent(ErrorKind::Closed, BACKEND, "blocking task was cancelled")),
         },
     }
-}
-
-/// Run `f` in a `BEGIN IMMEDIATE` transaction; rolled back if `f` or the commit fails.
-pub(crate) fn write_tx<T>(
-    conn: &mut Connection,
-    what: &str,
-    f: impl FnOnce(&Transaction<'_>) -> Result<T>,
-) -> Result<T> {
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).ctx(what)?;
-    let out = f(&tx)?;
-    tx.commit().map_err(|e| map_commit(what, e))?;
-    Ok(out)
 }
 
 pub(crate) fn to_sql_limit(limit: usize) -> i64 {

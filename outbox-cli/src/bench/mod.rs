@@ -7,7 +7,7 @@
 //! that does that work without the library (the same `UPDATE … FOR UPDATE SKIP LOCKED` claim and
 //! fenced completion, the broker's own batching with the same acknowledgement), measured on the
 //! same servers minutes apart, and judged by the ratio. The subjects and goals are those of
-//! issue 14 (P1–P7) and issue 16 (P8); `docs/bench.md` holds the latest table.
+//! issue 14 (P1–P7, and P9 for the SQLite store's producers) and issue 16 (P8); `docs/bench.md` holds the latest table.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -26,7 +26,7 @@ use report::Row;
 /// Flags of `outbox bench`.
 #[derive(clap::Args)]
 pub(crate) struct BenchArgs {
-    /// Subjects to run, comma-separated (default: all of P1..P8).
+    /// Subjects to run, comma-separated (default: all of P1..P9).
     #[arg(long, value_delimiter = ',', value_name = "LIST")]
     only: Vec<Subject>,
     /// Backlog per measurement: rows in the outbox (P1–P5, P7 per relay count) or messages on
@@ -110,11 +110,23 @@ pub(crate) enum Subject {
     /// PostgreSQL claim with per-key order vs the claim before it, with keys and without.
     #[value(name = "P8", alias = "p8")]
     P8,
+    /// SQLite store's own enqueue from 16 producers at once vs one rusqlite transaction per event.
+    #[value(name = "P9", alias = "p9")]
+    P9,
 }
 
 impl Subject {
-    const ALL: [Subject; 8] =
-        [Subject::P1, Subject::P2, Subject::P3, Subject::P4, Subject::P5, Subject::P6, Subject::P7, Subject::P8];
+    const ALL: [Subject; 9] = [
+        Subject::P1,
+        Subject::P2,
+        Subject::P3,
+        Subject::P4,
+        Subject::P5,
+        Subject::P6,
+        Subject::P7,
+        Subject::P8,
+        Subject::P9,
+    ];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -126,6 +138,7 @@ impl Subject {
             Subject::P6 => "P6",
             Subject::P7 => "P7",
             Subject::P8 => "P8",
+            Subject::P9 => "P9",
         }
     }
 
@@ -137,7 +150,7 @@ impl Subject {
             Subject::P2 => vec![pg, ("RabbitMQ", "rabbitmq", s.amqp.clone())],
             Subject::P3 => vec![pg, ("Kafka", "kafka", s.kafka.clone())],
             Subject::P4 | Subject::P7 | Subject::P8 => vec![pg],
-            Subject::P5 => vec![],
+            Subject::P5 | Subject::P9 => vec![],
         }
     }
 }

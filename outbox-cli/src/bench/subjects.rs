@@ -1,4 +1,4 @@
-//! P1–P8: each sets up its own schema, stream, queue or topic, prints its configuration, measures
+//! P1–P9: each sets up its own schema, stream, queue or topic, prints its configuration, measures
 //! its baseline(s) and its subject on the same backlog, checks durable state, and cleans up —
 //! also when a measurement fails.
 
@@ -34,6 +34,7 @@ pub(crate) async fn run(subject: Subject, s: &Settings) -> Result<Vec<Row>> {
         Subject::P6 => p6(s).await,
         Subject::P7 => p7(s).await,
         Subject::P8 => p8(s).await,
+        Subject::P9 => p9(s).await,
     }
 }
 
@@ -523,6 +524,101 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
         vec![("raw rusqlite".into(), raw_rate), ("raw rusqlite before key order".into(), before_rate)],
         s.seed,
     )])
+}
+
+/// Producers of P9, each enqueueing one event at a time.
+const P9_PRODUCERS: usize = 16;
+
+/// P9: the SQLite store's own enqueue (one event per call) from [`P9_PRODUCERS`] tasks at once,
+/// whose writes waiting together commit together (store-sqlite README, group commit), against
+/// the same inserts by hand: one rusqlite `BEGIN IMMEDIATE` transaction per event on one
+/// connection. A fifth of `--events`: one commit per event is slow with `synchronous=full`.
+async fn p9(s: &Settings) -> Result<Vec<Row>> {
+    use outbox::sqlite::rusqlite::TransactionBehavior;
+    use outbox::sqlite::{SqliteConfig, SqliteStore};
+    let dir = tempfile::Builder::new()
+        .prefix("outbox-bench-")
+        .tempdir()
+        .map_err(|e| fail(format!("creating a temporary directory: {e}")))?;
+    let n = (s.events / 5).max(P9_PRODUCERS);
+    let dest = destination(s, "p9")?;
+    let events = fixture::events(s, &dest, n);
+    let open = |name: &str| SqliteStore::open(SqliteConfig::new(dir.path().join(name)));
+    let raw_store = open("raw.db").await?;
+    let synchronous = raw_store.config().synchronous.as_str();
+    say(
+        "P9",
+        format!(
+            "SQLite enqueue. files in {} (synchronous={synchronous}, WAL); {n} events of one each; \
+             store: {P9_PRODUCERS} tasks calling enqueue; raw: one connection, one transaction per event",
+            dir.path().display()
+        ),
+    );
+    fixture::settle().await;
+    let raw_events = events.clone();
+    let mut conn = raw_store.connect_raw()?;
+    let writer = raw_store.clone();
+    let raw_rate = tokio::task::spawn_blocking(move || -> Result<f64> {
+        let t = std::time::Instant::now();
+        for e in &raw_events {
+            let tx =
+                conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(outbox::sqlite::sqlite_error)?;
+            writer.enqueue_one_in(&tx, e)?;
+            tx.commit().map_err(outbox::sqlite::sqlite_error)?;
+        }
+        Ok(per_second(raw_events.len(), t.elapsed()))
+    })
+    .await
+    .map_err(|e| fail(format!("raw rusqlite task: {e}")))??;
+    all_pending(&raw_store, n, "raw rusqlite").await?;
+    say("P9", format!("raw rusqlite {} ev/s", rate(raw_rate)));
+
+    let store = open("store.db").await?;
+    fixture::settle().await;
+    let per = n.div_ceil(P9_PRODUCERS);
+    let t = std::time::Instant::now();
+    let tasks: Vec<_> = events
+        .chunks(per)
+        .map(|chunk| {
+            let (store, chunk) = (store.clone(), chunk.to_vec());
+            tokio::spawn(async move {
+                for e in &chunk {
+                    store.enqueue(std::slice::from_ref(e)).await?;
+                }
+                Ok::<_, outbox::Error>(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.map_err(|e| fail(format!("producer task: {e}")))??;
+    }
+    let measured = per_second(n, t.elapsed());
+    all_pending(&store, n, "the producers").await?;
+    say("P9", format!("{P9_PRODUCERS} producers {} ev/s", rate(measured)));
+    Ok(vec![Row::new(
+        "P9",
+        format!("SQLite enqueue, {P9_PRODUCERS} producers"),
+        "one rusqlite transaction per event",
+        measured,
+        Some(raw_rate),
+        Some(1.0),
+        format!(
+            "{n} events, one per enqueue call, {P9_PRODUCERS} tasks on one store (pool of {}); synchronous={synchronous}; \
+             raw: one connection, BEGIN IMMEDIATE + the store's insert (enqueue_one_in) + COMMIT per event",
+            store.config().pool_size
+        ),
+        vec![("raw rusqlite".into(), raw_rate)],
+        s.seed,
+    )])
+}
+
+/// Check that `store` holds exactly `n` rows, all pending (P9's durable state).
+async fn all_pending(store: &outbox::sqlite::SqliteStore, n: usize, what: &str) -> Result<()> {
+    let stats = store.stats().await?;
+    if stats.pending != n as u64 || stats.published + stats.leased + stats.parked != 0 {
+        return Err(fail(format!("{what} left {stats:?}, expected {n} pending rows")));
+    }
+    Ok(())
 }
 
 /// A P5 backlog: `events` enqueued in chunks, then the file settled (setup is not timed).

@@ -463,13 +463,18 @@ async fn all_published(store: &outbox::sqlite::SqliteStore, n: usize, what: &str
     Ok(())
 }
 
+/// A temporary directory for a subject's SQLite files, removed when dropped.
+fn sqlite_dir() -> Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix("outbox-bench-")
+        .tempdir()
+        .map_err(|e| fail(format!("creating a temporary directory: {e}")))
+}
+
 /// P5: SQLite relay with the instant broker vs raw rusqlite.
 async fn p5(s: &Settings) -> Result<Vec<Row>> {
     use outbox::sqlite::{SqliteConfig, SqliteStore};
-    let dir = tempfile::Builder::new()
-        .prefix("outbox-bench-")
-        .tempdir()
-        .map_err(|e| fail(format!("creating a temporary directory: {e}")))?;
+    let dir = sqlite_dir()?;
     let dest = destination(s, "p5")?;
     let events = fixture::events(s, &dest, s.events);
     let open = |name: &str| SqliteStore::open(SqliteConfig::new(dir.path().join(name)));
@@ -536,10 +541,7 @@ const P9_PRODUCERS: usize = 16;
 async fn p9(s: &Settings) -> Result<Vec<Row>> {
     use outbox::sqlite::rusqlite::TransactionBehavior;
     use outbox::sqlite::{SqliteConfig, SqliteStore};
-    let dir = tempfile::Builder::new()
-        .prefix("outbox-bench-")
-        .tempdir()
-        .map_err(|e| fail(format!("creating a temporary directory: {e}")))?;
+    let dir = sqlite_dir()?;
     let n = (s.events / 5).max(P9_PRODUCERS);
     let dest = destination(s, "p9")?;
     let events = fixture::events(s, &dest, n);

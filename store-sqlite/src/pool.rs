@@ -14,8 +14,8 @@
 //! # Group commit
 //!
 //! With `synchronous=full` every commit waits for the disk (an fsync, a third of a millisecond
-//! or more), and a relay's claim of its next batch and its completion of the last one are often
-//! both waiting for the turn. So the write that gets the turn runs every write queued at that
+//! or more), and producers enqueueing at once all wait for the turn, one commit after another.
+//! So the write that gets the turn runs every write queued at that
 //! moment in one transaction, each in a savepoint of its own, and commits once: a write that
 //! fails is rolled back to its savepoint and gets its own error, the others commit. No write's
 //! caller hears of its result before the commit that makes it durable (or, if that commit fails,
@@ -296,7 +296,7 @@ where
 }
 
 /// Run `group` in one `BEGIN IMMEDIATE` transaction and commit it once (module docs, "Group
-/// commit"); every write's caller gets its result. A group of one runs as a plain transaction.
+/// commit"); every write's caller gets its result.
 fn commit_group(conn: &mut Connection, group: Vec<Queued>) {
     let what = match group.as_slice() {
         [] => return,
@@ -311,13 +311,6 @@ fn commit_group(conn: &mut Connection, group: Vec<Queued>) {
             return;
         }
     };
-    if let [_] = group.as_slice() {
-        let ran: Vec<Ran> = group.into_iter().map(|q| q.write.run(&tx)).collect();
-        // A write that failed is rolled back, as any failed transaction, and gets its own error.
-        let ended = if ran.iter().all(|r| r.ok) { tx.commit().err().map(|e| map_commit(&what, e)) } else { None };
-        ran.into_iter().for_each(|r| (r.deliver)(ended.clone()));
-        return;
-    }
     let mut ran: Vec<Ran> = Vec::with_capacity(group.len());
     let mut waiting = group.into_iter();
     let mut broken = None;

@@ -385,6 +385,13 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_enqueue_is_durable_when_it_returns_under_concurrent_callers",
+            class: "OutboxStore::enqueue",
+            property: "with several enqueues through one store at once, each returned id reads back through inspect, with its event, pending and never claimed, the moment its enqueue returns",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_enqueue_rejects_bad_batches",
             class: "OutboxStore::enqueue",
             property: "an oversized or duplicate event rejects the whole batch and writes nothing",
@@ -801,6 +808,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_transitions_are_token_conditional" => store_transitions_are_token_conditional(harness).await,
             "store_fail_backoff_park_requeue_purge" => store_fail_backoff_park_requeue_purge(harness).await,
             "store_purge_published_keeps_open_rows" => store_purge_published_keeps_open_rows(harness).await,
+            "store_enqueue_is_durable_when_it_returns_under_concurrent_callers" => {
+                store_enqueue_is_durable_when_it_returns(harness).await
+            }
             "store_enqueue_rejects_bad_batches" => store_enqueue_rejects_bad_batches(harness).await,
             "store_stats" => store_stats(harness).await,
             "claim_key_order_takes_a_prefix_per_key" => crate::order::takes_a_prefix_per_key(harness).await,
@@ -1311,6 +1321,18 @@ async fn broker_oversized_message<H: Harness>(h: &H) -> outbox_core::Result<Case
     Ok(CaseResult::Passed(format!("{}; {} received after", notes.join("; "), normal.id)))
 }
 
+/// The first element of `$v`; an empty `$v` fails the case (a backend that lost a row must
+/// fail the suite with a message, not panic it).
+macro_rules! first {
+    ($case:expr, $v:expr, $what:expr) => {{
+        let mut v = $v;
+        if v.is_empty() {
+            return Ok(CaseResult::fail($case, "", format!("{} returned nothing", $what)));
+        }
+        v.remove(0)
+    }};
+}
+
 async fn store_fixture<H: Harness>(
     h: &H,
     case: &str,
@@ -1346,6 +1368,7 @@ async fn store_claim_skips_live_leases<H: Harness>(h: &H) -> outbox_core::Result
         b[0].lease.token
     );
     let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(CASE, rows.len() == 1, "the store reads back {} rows, expected the one enqueued: {rows:?}", rows.len());
     ensure!(
         CASE,
         rows[0].token == b[0].lease.token && rows[0].owner.as_deref() == Some("relay-B"),
@@ -1358,7 +1381,7 @@ async fn store_claim_skips_live_leases<H: Harness>(h: &H) -> outbox_core::Result
 async fn store_token_fences_same_owner<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "store_token_fences_same_owner";
     let (fx, clock, _) = store_fixture(h, CASE, 1).await?;
-    let first = fx.store.claim("relay-A", 1, LEASE).await?.remove(0);
+    let first = first!(CASE, fx.store.claim("relay-A", 1, LEASE).await?, "a claim of the one pending row");
     clock.advance(LEASE * 2);
     let second = fx.store.claim("relay-A", 1, LEASE).await?;
     ensure!(CASE, second.len() == 1, "expired row not claimable by its old owner");
@@ -1366,11 +1389,11 @@ async fn store_token_fences_same_owner<H: Harness>(h: &H) -> outbox_core::Result
     ensure!(CASE, second.lease.token > first.lease.token, "token not incremented on re-claim");
     let stale = fx.store.complete(first.record.row_id, &first.lease).await?;
     ensure!(CASE, stale == Completion::Fenced, "completion with the older token was {stale:?}");
-    let row = all_rows(fx.store.as_ref()).await?.remove(0);
+    let row = first!(CASE, all_rows(fx.store.as_ref()).await?, "reading the rows back");
     ensure!(CASE, row.published_token.is_none(), "fenced completion changed the row: {row:?}");
     let ok = fx.store.complete(second.record.row_id, &second.lease).await?;
     ensure!(CASE, ok == Completion::Published, "latest token's completion was {ok:?}");
-    let row = all_rows(fx.store.as_ref()).await?.remove(0);
+    let row = first!(CASE, all_rows(fx.store.as_ref()).await?, "reading the rows back");
     ensure!(CASE, row.status == RowStatus::Published && row.published_token == Some(second.lease.token), "{row:?}");
     let again = fx.store.complete(second.record.row_id, &second.lease).await?;
     ensure!(CASE, again == Completion::Fenced, "completing a published row again was {again:?}");
@@ -1380,8 +1403,8 @@ async fn store_token_fences_same_owner<H: Harness>(h: &H) -> outbox_core::Result
 async fn store_transitions_are_token_conditional<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "store_transitions_are_token_conditional";
     let (fx, _clock, _) = store_fixture(h, CASE, 1).await?;
-    let c = fx.store.claim("relay-A", 1, LEASE).await?.remove(0);
-    let before = all_rows(fx.store.as_ref()).await?.remove(0);
+    let c = first!(CASE, fx.store.claim("relay-A", 1, LEASE).await?, "a claim of the one pending row");
+    let before = first!(CASE, all_rows(fx.store.as_ref()).await?, "reading the rows back");
     let stale = outbox_core::Lease { token: c.lease.token + 1, ..c.lease.clone() };
     let other = outbox_core::Lease { owner: "relay-B".into(), ..c.lease.clone() };
     for lease in [&stale, &other] {
@@ -1397,14 +1420,14 @@ async fn store_transitions_are_token_conditional<H: Harness>(h: &H) -> outbox_co
         let done = fx.store.complete(c.record.row_id, lease).await?;
         ensure!(CASE, done == Completion::Fenced, "complete with a foreign lease was {done:?}");
     }
-    let after = all_rows(fx.store.as_ref()).await?.remove(0);
+    let after = first!(CASE, all_rows(fx.store.as_ref()).await?, "reading the rows back");
     ensure!(CASE, after == before, "fenced calls changed the row:\n before {before:?}\n after {after:?}");
     ensure!(
         CASE,
         fx.store.release(c.record.row_id, &c.lease).await? == Outcome::Applied,
         "release with the right lease"
     );
-    let r = all_rows(fx.store.as_ref()).await?.remove(0);
+    let r = first!(CASE, all_rows(fx.store.as_ref()).await?, "reading the rows back");
     ensure!(CASE, r.status == RowStatus::Pending && r.attempts == 0, "released row: {r:?}");
     ensure!(CASE, fx.store.claim("relay-B", 1, LEASE).await?.len() == 1, "released row is claimable at once");
     Ok(CaseResult::Passed("8 fenced calls changed nothing".into()))
@@ -1483,6 +1506,7 @@ async fn store_fail_backoff_park_requeue_purge<H: Harness>(h: &H) -> outbox_core
     let o = fx.store.park(c[1].record.row_id, &c[1].lease, "too large").await?;
     ensure!(CASE, o == Outcome::Applied, "park was {o:?}");
     let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(CASE, rows.len() == 2, "the store reads back {} rows, expected the two enqueued: {rows:?}", rows.len());
     ensure!(CASE, rows[0].attempts == 1 && rows[0].last_error.as_deref() == Some("broker down"), "{:?}", rows[0]);
     ensure!(CASE, rows[1].status == RowStatus::Parked, "{:?}", rows[1]);
     clock.advance(Duration::from_secs(4));
@@ -1503,6 +1527,91 @@ async fn store_fail_backoff_park_requeue_purge<H: Harness>(h: &H) -> outbox_core
     let rows = all_rows(fx.store.as_ref()).await?;
     ensure!(CASE, rows.len() == 1 && rows[0].row_id == c[0].record.row_id, "after purge: {rows:?}");
     Ok(CaseResult::Passed("backoff, park, requeue and purge".into()))
+}
+
+/// Enqueue: "the rows are durable and visible when `enqueue` returns" — also when several
+/// callers enqueue through one store at once, which is when a store that commits waiting writes
+/// together (as the SQLite store does) could answer a caller before the commit that makes its
+/// row durable. Each caller reads its own row back through `inspect` as soon as its `enqueue`
+/// returns, and the table afterwards holds exactly the events given.
+async fn store_enqueue_is_durable_when_it_returns<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_enqueue_is_durable_when_it_returns_under_concurrent_callers";
+    /// Callers at once, and rounds of them (each round starts together behind a barrier).
+    const CALLERS: usize = 8;
+    const ROUNDS: usize = 4;
+    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    let tag = crate::world::unique_tag();
+    let mut given = Vec::with_capacity(CALLERS * ROUNDS);
+    for round in 0..ROUNDS {
+        let barrier = Arc::new(tokio::sync::Barrier::new(CALLERS));
+        let mut callers = Vec::with_capacity(CALLERS);
+        for i in 0..CALLERS {
+            let n = round * CALLERS + i;
+            // Two events for every third caller: a batch of more than one row in a group too.
+            let events: Vec<Event> = (0..1 + usize::from(i % 3 == 0))
+                .map(|j| {
+                    Ok(Event::new(
+                        EventId::new(format!("{CASE}.{tag}.{n}.{j}"))?,
+                        fx.destination.clone(),
+                        format!("payload {n}.{j}").into_bytes(),
+                    ))
+                })
+                .collect::<outbox_core::Result<_>>()?;
+            given.extend(events.iter().cloned());
+            let (store, barrier) = (Arc::clone(&fx.store), Arc::clone(&barrier));
+            callers.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let ids = store.enqueue(&events).await?;
+                // Read back at once, before anything else happens: what a caller that goes on
+                // to tell someone "saved" relies on.
+                let mut missing = Vec::new();
+                if ids.len() != events.len() {
+                    missing.push(format!("{} ids returned for {} events", ids.len(), events.len()));
+                }
+                for (id, e) in ids.iter().zip(&events) {
+                    let row = store.inspect(*id - 1, 1).await?.into_iter().find(|r| r.row_id == *id);
+                    match row {
+                        Some(r)
+                            if r.event == *e && r.status == RowStatus::Pending && r.token == 0 && r.attempts == 0 => {}
+                        Some(r) => missing.push(format!("row {id} read back as {} for event {}", describe(&r), e.id)),
+                        None => missing.push(format!(
+                            "row {id} (event {}) was not visible through inspect when its enqueue returned",
+                            e.id
+                        )),
+                    }
+                }
+                Ok(missing)
+            }));
+        }
+        for caller in callers {
+            match joined_within(caller, "a concurrent enqueue").await? {
+                Some(missing) => ensure!(CASE, missing.is_empty(), "round {round}: {}", missing.join("; ")),
+                None => {
+                    return Ok(CaseResult::fail(
+                        CASE,
+                        "",
+                        format!("round {round}: an enqueue did not return within {RELAY_WAIT:?}"),
+                    ));
+                }
+            }
+        }
+    }
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let mut stored: Vec<&Event> = rows.iter().map(|r| &r.event).collect();
+    let mut want: Vec<&Event> = given.iter().collect();
+    stored.sort_by(|a, b| a.id.cmp(&b.id));
+    want.sort_by(|a, b| a.id.cmp(&b.id));
+    ensure!(
+        CASE,
+        stored == want,
+        "after {ROUNDS} rounds of {CALLERS} concurrent enqueues the store holds {} rows, expected exactly the {} events given",
+        rows.len(),
+        given.len()
+    );
+    Ok(CaseResult::Passed(format!(
+        "{ROUNDS} rounds of {CALLERS} concurrent enqueues: {} rows, each readable the moment its enqueue returned",
+        given.len()
+    )))
 }
 
 async fn store_enqueue_rejects_bad_batches<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
@@ -1736,6 +1845,12 @@ async fn store_complete_many<H: Harness>(h: &H) -> outbox_core::Result<CaseResul
     ensure!(CASE, again == [Completion::Published; 2], "B's complete_many of its rows: {again:?}");
     ensure!(CASE, fx.store.complete_many(&[]).await?.is_empty(), "complete_many of nothing answered something");
     let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(
+        CASE,
+        rows.len() >= 2,
+        "the store reads back {} rows, expected at least rows 0 and 1: {rows:?}",
+        rows.len()
+    );
     ensure!(
         CASE,
         rows[0].published_token == Some(b[0].lease.token) && rows[1].published_token == Some(b[1].lease.token),

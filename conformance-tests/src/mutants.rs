@@ -63,6 +63,11 @@ pub enum Mutant {
     /// claim's places, and with more of them than the limit the claim comes back empty while
     /// other keys' rows are claimable.
     ClaimLimitsBeforeHolds,
+    /// An `enqueue` that, when other enqueues are in flight at the same moment, answers its
+    /// caller before the commit that makes the rows durable (a group commit that hands each
+    /// write of a group its result first and commits afterwards): readers see those rows only
+    /// [`UNCOMMITTED_FOR`] later. An enqueue alone is committed before it returns.
+    EnqueueAnswersBeforeCommit,
     /// Retention that deletes parked rows (dead letters awaiting an operator) along with old
     /// published ones.
     PurgeTakesParked,
@@ -127,7 +132,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 33] = [
+    pub const ALL: [Mutant; 34] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -137,6 +142,7 @@ impl Mutant {
         Mutant::ClaimIgnoresLeasedEarlierRow,
         Mutant::ClaimHeldRowHoldsWholeKey,
         Mutant::ClaimLimitsBeforeHolds,
+        Mutant::EnqueueAnswersBeforeCommit,
         Mutant::PurgeTakesParked,
         Mutant::PublishedOnClaim,
         Mutant::MarkerFirst,
@@ -219,6 +225,9 @@ impl fmt::Display for Mutant {
             Self::ClaimLimitsBeforeHolds => {
                 "claim that picks its limit of rows before leaving out those held back by their key"
             }
+            Self::EnqueueAnswersBeforeCommit => {
+                "enqueue that, beside other enqueues, returns before the commit that makes its rows visible"
+            }
             Self::PurgeTakesParked => "retention that deletes parked rows too",
             Self::PublishedOnClaim => "mark published before publishing",
             Self::MarkerFirst => "marker and effect in separate transactions (marker first)",
@@ -261,11 +270,27 @@ struct MutantStore {
     /// [`Mutant::ClaimIgnoresKeyOrder`]: the keys of the events, stored without them in `inner`
     /// (so its claim sees no key) and put back on everything read out.
     keys: Mutex<std::collections::HashMap<EventId, String>>,
+    /// [`Mutant::EnqueueAnswersBeforeCommit`]: rows enqueued and answered for whose commit has
+    /// not happened yet; readers do not see them.
+    uncommitted: Arc<Mutex<HashSet<RowId>>>,
+    /// [`Mutant::EnqueueAnswersBeforeCommit`]: enqueues in flight now.
+    enqueues: AtomicUsize,
 }
+
+/// How long after its `enqueue` returned a row of [`Mutant::EnqueueAnswersBeforeCommit`] is
+/// committed (the length of a slow commit).
+pub const UNCOMMITTED_FOR: Duration = Duration::from_millis(50);
 
 impl MutantStore {
     fn new(inner: MemoryOutbox, mode: Mutant) -> Self {
-        Self { inner, mode, first_tokens: Mutex::default(), keys: Mutex::default() }
+        Self {
+            inner,
+            mode,
+            first_tokens: Mutex::default(),
+            keys: Mutex::default(),
+            uncommitted: Arc::default(),
+            enqueues: AtomicUsize::new(0),
+        }
     }
 
     /// Put back the key [`Mutant::ClaimIgnoresKeyOrder`] kept from the inner store.
@@ -359,6 +384,28 @@ impl OutboxStore for MutantStore {
     }
 
     async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
+        if self.mode == Mutant::EnqueueAnswersBeforeCommit {
+            let others = self.enqueues.fetch_add(1, Ordering::SeqCst) > 0;
+            // Let enqueues started at the same moment join: a group.
+            tokio::task::yield_now().await;
+            let ids = self.inner.enqueue(events).await;
+            let grouped = others || self.enqueues.load(Ordering::SeqCst) > 1;
+            self.enqueues.fetch_sub(1, Ordering::SeqCst);
+            let ids = ids?;
+            if !grouped {
+                return Ok(ids);
+            }
+            lock(&self.uncommitted).extend(ids.iter().copied());
+            let (uncommitted, committed) = (Arc::clone(&self.uncommitted), ids.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(UNCOMMITTED_FOR).await;
+                let mut u = lock(&uncommitted);
+                for id in committed {
+                    u.remove(&id);
+                }
+            });
+            return Ok(ids);
+        }
         if !matches!(
             self.mode,
             Mutant::ClaimIgnoresKeyOrder
@@ -504,6 +551,8 @@ impl OutboxAdmin for MutantStore {
 
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {
         let mut rows = self.inner.inspect(after, limit).await?;
+        let uncommitted = lock(&self.uncommitted).clone();
+        rows.retain(|r| !uncommitted.contains(&r.row_id));
         for r in &mut rows {
             self.rekey(&mut r.event);
         }

@@ -227,6 +227,8 @@ pub trait OutboxStore: Send + Sync {
     /// - Event ids are unique: an id already stored is rejected with
     ///   [`ErrorKind::Conflict`](crate::ErrorKind::Conflict) and nothing of the batch is written.
     /// - New rows are pending, available now, attempts 0, token 0; returned ids are in input order.
+    /// - Durable when it returns, also while other enqueues through the same store run at once:
+    ///   each returned id reads back through [`inspect`](OutboxAdmin::inspect) with its event.
     async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>>;
 
     /// Claim up to `limit` rows for `owner` for `lease` (store clock).

@@ -103,7 +103,8 @@ pub struct SqliteConfig {
     pub busy_timeout: Duration,
     /// Connections the store keeps, and so the number of its calls that run at once (URL
     /// `outbox_pool_size`); 4 by default. SQLite has one writer at a time; more connections help readers
-    /// and let one consumer transaction stay open while relays wait for the lock.
+    /// and let one consumer transaction stay open while relays wait for the lock. The store's own
+    /// short writes (enqueue, claim, completions…) run on one more connection, kept for them.
     pub pool_size: usize,
     /// Largest accepted payload in bytes (URL `outbox_max_payload`); 1 MiB by default.
     pub max_payload: usize,

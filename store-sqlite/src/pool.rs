@@ -2,7 +2,8 @@
 //!
 //! `rusqlite` is synchronous and a write may wait for another connection's lock for the whole
 //! busy timeout, so every call runs on tokio's blocking pool, owning its connection while it
-//! runs. A semaphore bounds how many connections exist; they are opened lazily and reused.
+//! runs. A semaphore bounds how many connections exist (besides the one the store's own writes
+//! run on, "One connection for the turn" below); they are opened lazily and reused.
 //!
 //! SQLite has one writer at a time, and a writer that finds the lock taken sleeps in the busy
 //! handler (1, 2, 5, 10 ms and longer) well past the moment the lock is free again: a relay
@@ -214,15 +215,21 @@ impl Pool {
         });
         match task.await {
             Ok(out) => out,
-            Err(e) => match e.try_into_panic() {
-                Ok(panic) => std::panic::resume_unwind(panic),
-                Err(_) => Err(Error::permanent(ErrorKind::Closed, BACKEND, "blocking task was cancelled")),
-            },
+            Err(e) => not_joined(e),
         }
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Queued>> {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A blocking task that did not return: its panic goes on in the caller; a cancelled one (the
+/// runtime shutting down) is a permanent `Closed`.
+fn not_joined<T>(e: tokio::task::JoinError) -> Result<T> {
+    match e.try_into_panic() {
+        Ok(panic) => std::panic::resume_unwind(panic),
+        Err(_) => Err(Error::permanent(ErrorKind::Closed, BACKEND, "blocking task was cancelled")),
     }
 }
 
@@ -416,10 +423,7 @@ impl Checkout {
                 self.conn = conn;
                 out
             }
-            Err(e) => match e.try_into_panic() {
-                Ok(panic) => std::panic::resume_unwind(panic),
-                Err(_) => Err(Error::permanent(ErrorKind::Closed, BACKEND, "blocking task was cancelled")),
-            },
+            Err(e) => not_joined(e),
         }
     }
 

@@ -577,15 +577,19 @@ mod tests {
         let pool = pool(&dir).await;
         assert_eq!(count_on_its_connection(&pool).await.unwrap(), 1);
         let panicking = Arc::clone(&pool);
-        let joined = tokio::spawn(async move {
-            panicking
-                .write("test write", |tx| -> Result<()> {
-                    tx.execute("INSERT INTO t VALUES ('never')", []).ctx("insert")?;
-                    panic!("a write that panics")
-                })
-                .await
-        })
-        .await;
+        let joined = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::spawn(async move {
+                panicking
+                    .write("test write", |tx| -> Result<()> {
+                        tx.execute("INSERT INTO t VALUES ('never')", []).ctx("insert")?;
+                        panic!("a write that panics")
+                    })
+                    .await
+            }),
+        )
+        .await
+        .expect("the panicking write ends within 10s");
         assert!(joined.is_err_and(|e| e.is_panic()), "the panic reaches the write's caller");
         // A fresh connection: its temporary table is new; the panicked write's insert is gone.
         assert_eq!(count_on_its_connection(&pool).await.unwrap(), 1, "the next write ran on a new connection");

@@ -110,6 +110,7 @@ fn is_sqlx_param(name: &str) -> bool {
 /// | `outbox_schema` | [`schema`](PgConfig::schema) | `public` |
 /// | `outbox_table_prefix` | [`table_prefix`](PgConfig::table_prefix) | `outbox_` |
 /// | `outbox_pool_size` | [`pool_size`](PgConfig::pool_size) | 10 |
+/// | `outbox_kept_connections` | [`kept_connections`](PgConfig::kept_connections) | 2 |
 /// | `outbox_statement_timeout_ms` | [`statement_timeout`](PgConfig::statement_timeout) | 5000 |
 /// | `outbox_lock_timeout_ms` | [`lock_timeout`](PgConfig::lock_timeout) | 2000 |
 /// | `outbox_connect_timeout_ms` | [`connect_timeout`](PgConfig::connect_timeout) | 10000 |
@@ -130,6 +131,7 @@ pub struct PgConfig {
     schema: String,
     table_prefix: String,
     pool_size: u32,
+    kept_connections: u32,
     statement_timeout: Duration,
     lock_timeout: Duration,
     connect_timeout: Duration,
@@ -152,6 +154,7 @@ impl PgConfig {
             schema: url.outbox_str("outbox_schema").unwrap_or_else(|| "public".into()),
             table_prefix: url.outbox_str("outbox_table_prefix").unwrap_or_else(|| "outbox_".into()),
             pool_size: url.outbox_u32("outbox_pool_size")?.unwrap_or(10),
+            kept_connections: url.outbox_u32("outbox_kept_connections")?.unwrap_or(2),
             statement_timeout: url.outbox_duration_ms("outbox_statement_timeout_ms")?.unwrap_or(Duration::from_secs(5)),
             lock_timeout: url.outbox_duration_ms("outbox_lock_timeout_ms")?.unwrap_or(Duration::from_secs(2)),
             connect_timeout: url.outbox_duration_ms("outbox_connect_timeout_ms")?.unwrap_or(Duration::from_secs(10)),
@@ -197,10 +200,22 @@ impl PgConfig {
         self
     }
 
-    /// Largest number of pooled connections.
+    /// Largest number of pooled connections. The store keeps up to
+    /// [`kept_connections`](PgConfig::kept_connections) more for a relay's claim and completion,
+    /// outside the pool.
     #[must_use]
     pub fn with_pool_size(mut self, connections: u32) -> Self {
         self.pool_size = connections;
+        self
+    }
+
+    /// How many connections the store keeps outside the pool for a relay's claim and completion
+    /// (the crate's "Connections kept for the relay"); 0 runs them on pool connections like
+    /// every other statement, so that the store never has more than
+    /// [`pool_size`](PgConfig::pool_size) connections besides its `LISTEN` one.
+    #[must_use]
+    pub fn with_kept_connections(mut self, connections: u32) -> Self {
+        self.kept_connections = connections;
         self
     }
 
@@ -264,6 +279,11 @@ impl PgConfig {
     /// Largest number of pooled connections.
     pub fn pool_size(&self) -> u32 {
         self.pool_size
+    }
+
+    /// Connections kept outside the pool for a relay's claim and completion (default 2).
+    pub fn kept_connections(&self) -> u32 {
+        self.kept_connections
     }
 
     /// `statement_timeout` of every pooled connection.
@@ -382,6 +402,7 @@ impl fmt::Debug for PgConfig {
             .field("schema", &self.schema)
             .field("table_prefix", &self.table_prefix)
             .field("pool_size", &self.pool_size)
+            .field("kept_connections", &self.kept_connections)
             .field("statement_timeout", &self.statement_timeout)
             .field("lock_timeout", &self.lock_timeout)
             .field("connect_timeout", &self.connect_timeout)
@@ -439,13 +460,14 @@ mod tests {
     fn parses_outbox_parameters_and_strips_them() {
         let c = PgConfig::from_url(
             "postgres://u:secret@db:5433/app?sslmode=disable&outbox_schema=ops&outbox_table_prefix=ob_\
-             &outbox_pool_size=3&outbox_statement_timeout_ms=700&outbox_lock_timeout_ms=300\
+             &outbox_pool_size=3&outbox_kept_connections=0&outbox_statement_timeout_ms=700&outbox_lock_timeout_ms=300\
              &outbox_connect_timeout_ms=900&outbox_max_payload=42",
         )
         .unwrap();
         assert_eq!(c.schema(), "ops");
         assert_eq!(c.table_prefix(), "ob_");
         assert_eq!(c.pool_size(), 3);
+        assert_eq!(c.kept_connections(), 0);
         assert_eq!(c.statement_timeout(), Duration::from_millis(700));
         assert_eq!(c.lock_timeout(), Duration::from_millis(300));
         assert_eq!(c.connect_timeout(), Duration::from_millis(900));

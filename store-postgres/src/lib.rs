@@ -6,6 +6,7 @@ pub mod conformance;
 mod enqueue;
 mod error;
 mod inbox;
+mod kept;
 mod notify;
 mod retention;
 mod store;

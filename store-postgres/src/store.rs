@@ -25,6 +25,7 @@ use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row};
 use crate::config::PgConfig;
 use crate::error::{BACKEND, Phase, map, map_commit_error};
 use crate::inbox::PgInbox;
+use crate::kept::Kept;
 use crate::notify::Notifier;
 use crate::tables::{PgTables, SCHEMA_VERSION};
 use outbox_core::event::decode_headers;
@@ -87,6 +88,8 @@ pub(crate) fn corrupt(message: impl Into<String>) -> Error {
 #[derive(Clone)]
 pub struct PgStore {
     pool: PgPool,
+    /// Connections of the relay's claim and completion (see `crate::kept`).
+    kept: Arc<Kept>,
     tables: Arc<PgTables>,
     config: Arc<PgConfig>,
     notifier: Arc<Notifier>,
@@ -128,7 +131,8 @@ impl PgStore {
         }
         let pool = config.pool_options().connect_lazy_with(options);
         let notifier = Arc::new(Notifier::new(&tables));
-        Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config), notifier })
+        let kept = Arc::new(Kept::new(config.kept_connections()));
+        Ok(Self { pool, kept, tables: Arc::new(tables), config: Arc::new(config), notifier })
     }
 
     /// Connect and apply the migrations: [`connect`](PgStore::connect) followed by
@@ -165,14 +169,17 @@ impl PgStore {
 
     /// Use an existing pool (for example the application's own). The pool's connections keep
     /// whatever session settings the pool gives them; build it with
-    /// [`PgConfig::pool_options`] to get this crate's timeouts.
+    /// [`PgConfig::pool_options`] to get this crate's timeouts. The store detaches up to two of
+    /// them for a relay's claim and completion (the crate's "Connections kept for the relay"),
+    /// and the pool may open others in their place.
     ///
     /// # Errors
     /// [`ErrorKind::Config`] for an invalid schema or prefix.
     pub fn from_pool(pool: PgPool, config: PgConfig) -> Result<Self> {
         let tables = PgTables::new(&config)?;
         let notifier = Arc::new(Notifier::new(&tables));
-        Ok(Self { pool, tables: Arc::new(tables), config: Arc::new(config), notifier })
+        let kept = Arc::new(Kept::new(config.kept_connections()));
+        Ok(Self { pool, kept, tables: Arc::new(tables), config: Arc::new(config), notifier })
     }
 
     /// The same store (same pool) deciding time by `clock` instead of the database clock.
@@ -212,10 +219,12 @@ impl PgStore {
         PgInbox::new(self.pool.clone(), self.tables.clone())
     }
 
-    /// Close the pool: waits for checked-out connections to come back. Also stops the wake-up
-    /// listener; relays still running fall back to polling (and fail on the closed pool).
+    /// Close the pool: waits for checked-out connections to come back. Also closes the
+    /// connections kept for the relay's statements and stops the wake-up listener; relays still
+    /// running fall back to polling (and fail on the closed pool).
     pub async fn close(&self) {
         self.notifier.close().await;
+        self.kept.close().await;
         self.pool.close().await;
     }
 
@@ -411,6 +420,30 @@ impl PgStore {
         done.iter().map(|r| Ok((get(r, "id")?, to_u64(get(r, "token")?, "token")?, owner))).collect()
     }
 
+    /// The completion statements of [`complete_many`](OutboxStore::complete_many) on `conn`, in
+    /// one transaction when there are several; how many rows each `(id, token, owner)` published.
+    async fn complete_on<'o>(
+        &self,
+        conn: &mut PgConnection,
+        statements: &[(&'o str, &[i64], &[i64])],
+    ) -> Result<BTreeMap<(i64, u64, &'o str), usize>> {
+        let mut published = BTreeMap::new();
+        if let [(owner, ids, tokens)] = statements {
+            for key in self.complete_statement(conn, Phase::AutocommitWrite, owner, ids, tokens).await? {
+                *published.entry(key).or_default() += 1;
+            }
+        } else {
+            let mut tx = conn.begin().await.map_err(|e| map(e, Phase::InTransaction, "begin"))?;
+            for (owner, ids, tokens) in statements {
+                for key in self.complete_statement(&mut tx, Phase::InTransaction, owner, ids, tokens).await? {
+                    *published.entry(key).or_default() += 1;
+                }
+            }
+            tx.commit().await.map_err(map_commit_error)?;
+        }
+        Ok(published)
+    }
+
     /// Run one token-conditional update; `Applied` when it matched the row.
     async fn fenced_update(
         &self,
@@ -540,14 +573,22 @@ impl OutboxStore for PgStore {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let mut conn = self.acquire().await?;
-        let rows = sqlx::query(AssertSqlSafe(self.tables.claim_statement(limit)))
-            .bind(self.tables.now_param())
-            .bind(owner.to_owned())
-            .bind(millis(lease))
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(|e| map(e, Phase::AutocommitWrite, "claim"))?;
+        let mut conn = self.kept.take(&self.pool).await?;
+        let rows = loop {
+            let rows = sqlx::query(AssertSqlSafe(self.tables.claim_statement(limit)))
+                .bind(self.tables.now_param())
+                .bind(owner.to_owned())
+                .bind(millis(lease))
+                .fetch_all(conn.conn())
+                .await
+                .map_err(|e| map(e, Phase::AutocommitWrite, "claim"));
+            match rows {
+                Ok(rows) => break rows,
+                Err(e) if conn.lost(&e) => conn = self.kept.pooled(&self.pool).await?,
+                Err(e) => return Err(e),
+            }
+        };
+        conn.keep();
         rows.iter()
             .map(|r| {
                 let row = StoredRow::decode(r)?;
@@ -586,21 +627,15 @@ impl OutboxStore for PgStore {
         if statements.is_empty() {
             return Ok(vec![Completion::Fenced; rows.len()]);
         }
-        let mut conn = self.acquire().await?;
-        let mut published: BTreeMap<(i64, u64, &str), usize> = BTreeMap::new();
-        if let [(owner, ids, tokens)] = statements[..] {
-            for key in self.complete_statement(&mut conn, Phase::AutocommitWrite, owner, ids, tokens).await? {
-                *published.entry(key).or_default() += 1;
+        let mut conn = self.kept.take(&self.pool).await?;
+        let mut published = loop {
+            match self.complete_on(conn.conn(), &statements).await {
+                Ok(published) => break published,
+                Err(e) if conn.lost(&e) => conn = self.kept.pooled(&self.pool).await?,
+                Err(e) => return Err(e),
             }
-        } else {
-            let mut tx = conn.begin().await.map_err(|e| map(e, Phase::InTransaction, "begin"))?;
-            for (owner, ids, tokens) in statements {
-                for key in self.complete_statement(&mut tx, Phase::InTransaction, owner, ids, tokens).await? {
-                    *published.entry(key).or_default() += 1;
-                }
-            }
-            tx.commit().await.map_err(map_commit_error)?;
-        }
+        };
+        conn.keep();
         // One entry per input, in order; a row listed twice is published by the first entry only.
         Ok(rows
             .iter()

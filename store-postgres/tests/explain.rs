@@ -194,10 +194,13 @@ async fn claim_behind_every_head_in_flight_probes_no_index_per_row() {
 /// The store's claim is planned once per connection and limit, not at every call: its text holds
 /// no parameter the plan depends on (the limit is written in, the clock is an init plan), so
 /// PostgreSQL keeps the generic plan after its five custom ones. Read from the connection's own
-/// `pg_prepared_statements` (a pool of one connection, so the claims and the read share it).
+/// `pg_prepared_statements` (a pool of one connection and none kept for the relay, so the claims
+/// and the read share it).
 #[tokio::test]
 async fn claim_switches_to_its_generic_plan() {
-    let Some(db) = TestDb::open("explain_generic", None, |c| c.with_pool_size(1)).await else { return };
+    let Some(db) = TestDb::open("explain_generic", None, |c| c.with_pool_size(1).with_kept_connections(0)).await else {
+        return;
+    };
     let tables = db.store.tables();
     let events = tables.table("events").unwrap();
     db.exec(format!(
@@ -239,7 +242,9 @@ async fn claim_switches_to_its_generic_plan() {
 /// `ANALYZE` has seen must still walk the indexes: no part of it may be a sequential scan.
 #[tokio::test]
 async fn claim_generic_plan_made_on_an_empty_table_still_walks_the_indexes() {
-    let Some(db) = TestDb::open("explain_empty", None, |c| c.with_pool_size(1)).await else { return };
+    let Some(db) = TestDb::open("explain_empty", None, |c| c.with_pool_size(1).with_kept_connections(0)).await else {
+        return;
+    };
     let tables = db.store.tables();
     let events = tables.table("events").unwrap();
     let lease = std::time::Duration::from_secs(60);

@@ -12,10 +12,11 @@
 //! A connection is kept only after its statement succeeded. After an error, or when its caller
 //! went away mid-statement, a kept connection is closed and a pool connection goes back to the
 //! pool (which pings it), so none is reused in an unknown state. A kept connection is closed
-//! after [`RETIRE`], as the pool retires its own. At most `kept_connections` are kept (2 by default): beyond
-//! them the statements run on pool connections as before. A kept connection is detached from the
-//! pool, which may then open another in its place, so a store has up to `pool_size +
-//! kept_connections` connections. Measured in the crate's README ("Connections kept for the relay").
+//! after [`RETIRE`], as the pool retires its own. At most `kept_connections` are kept (2 by
+//! default): beyond them the statements run on pool connections as before. A kept connection is
+//! detached from the pool, which may then open another in its place, so a store has up to
+//! `pool_size + kept_connections` connections. Measured in the crate's README ("Connections kept
+//! for the relay").
 
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -40,6 +41,11 @@ pub(crate) struct Kept {
     /// How many may be kept ([`PgConfig::kept_connections`](crate::PgConfig::kept_connections)):
     /// a relay at pipeline depth 2 claims on one while it completes on another.
     max: usize,
+    /// The longest wait for a ping's answer: the
+    /// [`connect_timeout`](crate::PgConfig::connect_timeout), as for the pool's own wait for a
+    /// connection. One that does not answer in time (a network that drops everything) is
+    /// closed, not waited for.
+    ping_timeout: Duration,
 }
 
 #[derive(Debug)]
@@ -58,17 +64,19 @@ pub(crate) enum Taken<'a> {
 }
 
 impl Kept {
-    pub(crate) fn new(max: u32) -> Self {
-        Self { idle: Mutex::new(Some(Vec::new())), max: usize::try_from(max).unwrap_or(usize::MAX) }
+    pub(crate) fn new(max: u32, ping_timeout: Duration) -> Self {
+        Self { idle: Mutex::new(Some(Vec::new())), max: usize::try_from(max).unwrap_or(usize::MAX), ping_timeout }
     }
 
-    /// A kept connection (pinged first if idle for [`FRESH`]; a dead one is closed and the next
-    /// tried), else one from the pool.
+    /// A kept connection (pinged first if idle for [`FRESH`]; one that does not answer within
+    /// the ping timeout is closed and the next tried), else one from the pool.
     pub(crate) async fn take<'a>(&'a self, pool: &PgPool) -> Result<Taken<'a>> {
         loop {
             let popped = self.lock().as_mut().and_then(Vec::pop);
             let Some(Idle { mut conn, since, used }) = popped else { break };
-            if used.elapsed() < FRESH || conn.ping().await.is_ok() {
+            if used.elapsed() < FRESH
+                || matches!(tokio::time::timeout(self.ping_timeout, conn.ping()).await, Ok(Ok(())))
+            {
                 return Ok(Taken::Kept(self, conn, since));
             }
         }

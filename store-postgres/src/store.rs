@@ -131,7 +131,7 @@ impl PgStore {
         }
         let pool = config.pool_options().connect_lazy_with(options);
         let notifier = Arc::new(Notifier::new(&tables));
-        let kept = Arc::new(Kept::new(config.kept_connections()));
+        let kept = Arc::new(Kept::new(config.kept_connections(), config.connect_timeout()));
         Ok(Self { pool, kept, tables: Arc::new(tables), config: Arc::new(config), notifier })
     }
 
@@ -169,16 +169,17 @@ impl PgStore {
 
     /// Use an existing pool (for example the application's own). The pool's connections keep
     /// whatever session settings the pool gives them; build it with
-    /// [`PgConfig::pool_options`] to get this crate's timeouts. The store detaches up to two of
-    /// them for a relay's claim and completion (the crate's "Connections kept for the relay"),
-    /// and the pool may open others in their place.
+    /// [`PgConfig::pool_options`] to get this crate's timeouts. The store detaches up to
+    /// [`kept_connections`](PgConfig::kept_connections) of them (2 by default) for a relay's
+    /// claim and completion (the crate's "Connections kept for the relay"), and the pool may
+    /// open others in their place.
     ///
     /// # Errors
     /// [`ErrorKind::Config`] for an invalid schema or prefix.
     pub fn from_pool(pool: PgPool, config: PgConfig) -> Result<Self> {
         let tables = PgTables::new(&config)?;
         let notifier = Arc::new(Notifier::new(&tables));
-        let kept = Arc::new(Kept::new(config.kept_connections()));
+        let kept = Arc::new(Kept::new(config.kept_connections(), config.connect_timeout()));
         Ok(Self { pool, kept, tables: Arc::new(tables), config: Arc::new(config), notifier })
     }
 

@@ -25,6 +25,7 @@ use outbox_core::{ErrorKind, Result};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
 
+use crate::config::PgConfig;
 use crate::error::{Phase, map};
 
 /// A kept connection idle for this long is pinged before its next statement.
@@ -64,8 +65,12 @@ pub(crate) enum Taken<'a> {
 }
 
 impl Kept {
-    pub(crate) fn new(max: u32, ping_timeout: Duration) -> Self {
-        Self { idle: Mutex::new(Some(Vec::new())), max: usize::try_from(max).unwrap_or(usize::MAX), ping_timeout }
+    pub(crate) fn new(config: &PgConfig) -> Self {
+        Self {
+            idle: Mutex::new(Some(Vec::new())),
+            max: usize::try_from(config.kept_connections()).unwrap_or(usize::MAX),
+            ping_timeout: config.connect_timeout(),
+        }
     }
 
     /// A kept connection (pinged first if idle for [`FRESH`]; one that does not answer within

@@ -131,7 +131,7 @@ impl PgStore {
         }
         let pool = config.pool_options().connect_lazy_with(options);
         let notifier = Arc::new(Notifier::new(&tables));
-        let kept = Arc::new(Kept::new(config.kept_connections(), config.connect_timeout()));
+        let kept = Arc::new(Kept::new(&config));
         Ok(Self { pool, kept, tables: Arc::new(tables), config: Arc::new(config), notifier })
     }
 
@@ -179,7 +179,7 @@ impl PgStore {
     pub fn from_pool(pool: PgPool, config: PgConfig) -> Result<Self> {
         let tables = PgTables::new(&config)?;
         let notifier = Arc::new(Notifier::new(&tables));
-        let kept = Arc::new(Kept::new(config.kept_connections(), config.connect_timeout()));
+        let kept = Arc::new(Kept::new(&config));
         Ok(Self { pool, kept, tables: Arc::new(tables), config: Arc::new(config), notifier })
     }
 
@@ -574,9 +574,10 @@ impl OutboxStore for PgStore {
         if limit == 0 {
             return Ok(Vec::new());
         }
+        let sql = self.tables.claim_statement(limit);
         let mut conn = self.kept.take(&self.pool).await?;
         let rows = loop {
-            let rows = sqlx::query(AssertSqlSafe(self.tables.claim_statement(limit)))
+            let rows = sqlx::query(AssertSqlSafe(sql.as_str()))
                 .bind(self.tables.now_param())
                 .bind(owner.to_owned())
                 .bind(millis(lease))

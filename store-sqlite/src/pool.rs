@@ -18,7 +18,10 @@
 //! or more), and producers enqueueing at once all wait for the turn, one commit after another.
 //! So the write that gets the turn runs every write queued at that
 //! moment in one transaction, each in a savepoint of its own, and commits once: a write that
-//! fails is rolled back to its savepoint and gets its own error, the others commit. No write's
+//! fails is rolled back to its savepoint and gets its own error, the others commit. A group of
+//! one takes no savepoint (it fails with its transaction): SQLite keeps the original of every
+//! page a savepoint changes, in a temporary file past 64 KiB, and a relay's claim or completion,
+//! which usually queues alone behind the other, changes more than that. No write's
 //! caller hears of its result before the commit that makes it durable (or, if that commit fails,
 //! gets the commit's error). The writes of one group run in the order they were queued, one
 //! after another on one connection, so the group is what running them one by one would give.
@@ -207,7 +210,7 @@ impl Pool {
         let task = tokio::task::spawn_blocking(move || {
             let mut conn = match turn.take() {
                 Some(c) => Ok(c),
-                None => config.open_connection(),
+                None => config.open_store_connection(),
             };
             let out = f(conn.as_mut().map_err(|e| e.clone()));
             *turn = conn.ok();
@@ -331,7 +334,7 @@ where
 
 /// Run `group` in one `BEGIN IMMEDIATE` transaction and commit it once (module docs, "Group
 /// commit"); every write's caller gets its result.
-fn commit_group(conn: &mut Connection, group: Vec<Queued>) {
+fn commit_group(conn: &mut Connection, mut group: Vec<Queued>) {
     let what = match group.as_slice() {
         [] => return,
         [one] => one.what.to_string(),
@@ -345,6 +348,24 @@ fn commit_group(conn: &mut Connection, group: Vec<Queued>) {
             return;
         }
     };
+    // A group of one needs no savepoint: its write fails with its transaction, as a write
+    // alone does. A savepoint keeps the original of every page the write changes, past 64 KiB
+    // in a temporary file that SQLite creates and deletes: a relay's claim or completion of 100
+    // rows changes that many pages of the key indexes, and queues behind the other (a group of
+    // one) about every batch.
+    if group.len() == 1
+        && let Some(q) = group.pop()
+    {
+        let r = q.write.run(&tx);
+        let ended = if r.ok {
+            tx.commit().err().map(|e| map_commit(&what, e))
+        } else {
+            drop(tx);
+            None
+        };
+        (r.deliver)(ended);
+        return;
+    }
     let mut ran: Vec<Ran> = Vec::with_capacity(group.len());
     let mut waiting = group.into_iter();
     let mut broken = None;
@@ -410,7 +431,7 @@ impl Checkout {
         let task = tokio::task::spawn_blocking(move || {
             let mut conn = match conn {
                 Some(c) => c,
-                None => match config.open_connection() {
+                None => match config.open_store_connection() {
                     Ok(c) => c,
                     Err(e) => return (None, Err(e)),
                 },
@@ -616,6 +637,28 @@ mod tests {
         let failed: Vec<usize> = out.iter().enumerate().filter(|(_, r)| r.is_err()).map(|(i, _)| i).collect();
         assert_eq!(failed, vec![2], "only the write that failed gets an error: {out:?}");
         assert_eq!(committed(&pool), ["a", "b", "c", "taken"], "the others committed, nothing of the failed one");
+    }
+
+    /// A write that waited for the turn alone runs without a savepoint (see `commit_group`):
+    /// when it fails, nothing of it is kept and it gets its own error; when it succeeds, it is
+    /// committed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_that_waited_alone_is_undone_whole_when_it_fails_and_committed_when_it_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = pool(&dir).await;
+        let failing: TestWrite = Box::new(|tx| {
+            tx.execute("INSERT INTO t VALUES ('half')", []).ctx("insert")?;
+            tx.execute("INSERT INTO t VALUES ('taken')", []).map(drop).ctx("insert")
+        });
+        let (out, transactions) = queued_behind_the_turn(&pool, vec![failing]).await;
+        assert_eq!(transactions, 1, "{out:?}");
+        let error = out[0].as_ref().expect_err("the write failed");
+        assert!(error.to_string().contains("insert"), "its own error: {error}");
+        assert_eq!(committed(&pool), ["taken"], "nothing of the failed write");
+
+        let (out, _) = queued_behind_the_turn(&pool, vec![insert("a")]).await;
+        assert!(out[0].is_ok(), "{out:?}");
+        assert_eq!(committed(&pool), ["a", "taken"], "the write that succeeded committed");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -127,7 +127,7 @@ impl SqliteStore {
     pub async fn connect_with_clock(config: SqliteConfig, clock: SharedClock) -> Result<Self> {
         config.validate()?;
         let (config, conn) = blocking(move || {
-            let conn = config.open_connection()?;
+            let conn = config.open_store_connection()?;
             Ok((config, conn))
         })
         .await?;
@@ -923,5 +923,25 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// `PRAGMA temp_store` of a connection (0 default, 2 memory).
+    fn temp_store(conn: &rusqlite::Connection) -> outbox_core::Result<i64> {
+        use crate::error::ResultExt;
+        conn.query_row("PRAGMA temp_store", [], |r| r.get(0)).ctx("read temp_store")
+    }
+
+    /// The store's own connections keep temporary storage in memory (see
+    /// `SqliteConfig::open_store_connection`: otherwise each write's savepoint journal went to a
+    /// file created and deleted per batch): the connection its writes take turns on, and a
+    /// pooled one. A caller's own connection keeps SQLite's default.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_stores_connections_keep_temporary_storage_in_memory_and_a_callers_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::SqliteStore::open(crate::SqliteConfig::new(dir.path().join("t.db"))).await.unwrap();
+        let writer = store.pool.write("test", |tx| temp_store(tx)).await.unwrap();
+        let pooled = store.pool.run(|conn| temp_store(conn)).await.unwrap();
+        assert_eq!((writer, pooled), (2, 2), "temp_store of the writer's and of a pooled connection (2: memory)");
+        assert_eq!(temp_store(&store.connect_raw().unwrap()).unwrap(), 0, "a caller's connection keeps the default");
     }
 }

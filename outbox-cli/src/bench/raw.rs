@@ -176,6 +176,8 @@ pub(crate) enum SqliteClaim {
 /// keys' gaps by hand.
 pub(crate) async fn sqlite(store: &SqliteStore, n: usize, batch: usize, claim: SqliteClaim) -> Result<f64> {
     let mut conn = store.connect_raw()?;
+    // The store's own connections keep temporary storage in memory; so does the baseline's.
+    conn.pragma_update(None, "temp_store", "MEMORY").map_err(outbox::sqlite::sqlite_error)?;
     let statements = store.claim_sql();
     let lease_ms = i64::try_from(LEASE.as_millis()).unwrap_or(i64::MAX);
     let limit = i64::try_from(batch).unwrap_or(i64::MAX);

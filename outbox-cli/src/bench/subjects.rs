@@ -976,7 +976,11 @@ async fn p6_credited_and_acknowledged(
 // P7: relays side by side.
 
 /// P7: 1, 2, 4, 8 relays, each with its own store pool, on one PostgreSQL backlog with the
-/// instant broker; each count against the best smaller one.
+/// instant broker; each count against the best smaller one. Every count drains [`P7_ROUNDS`]
+/// times, the counts interleaved ([`p7_order`]), and is judged by the median of its rounds: one
+/// relay's rate moves by a third between two runs a minute apart on a two-core machine, so a
+/// count measured once, against the largest of the smaller counts measured once each, reads
+/// below 1 more often than not when the counts are equal in truth.
 async fn p7(s: &Settings) -> Result<Vec<Row>> {
     let fx = PgFixture::new(s, "p7").await?;
     let result = async {
@@ -985,9 +989,10 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
             "P7",
             format!(
                 "relays 1/2/4/8 on PostgreSQL, broker that returns at once (the store is what they share). schema {}; {} \
-                 events per count; each relay: {}, its own pool of {P7_POOL}",
+                 events per drain; {P7_ROUNDS} rounds, counts in the order {}; each relay: {}, its own pool of {P7_POOL}",
                 fx.schema,
                 s.events,
+                p7_order().map(|c| c.to_string()).collect::<Vec<_>>().join(","),
                 relay_settings(s)
             ),
         );
@@ -997,54 +1002,21 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
         fx.fill(&events).await?;
         let sql = raw::pg_sql(&fx, s.events, s.batch).await?;
         say("P7", format!("raw SQL {} ev/s", rate(sql)));
-        let mut rates: Vec<(usize, f64)> = Vec::new();
+        let mut rounds: Vec<(usize, Vec<f64>)> = RELAY_COUNTS.iter().map(|c| (*c, Vec::new())).collect();
+        for (i, count) in p7_order().enumerate() {
+            let measured = p7_drain(&fx, s, &events, count, i / RELAY_COUNTS.len() + 1).await?;
+            if let Some((_, r)) = rounds.iter_mut().find(|(c, _)| *c == count) {
+                r.push(measured);
+            }
+        }
+        let medians: Vec<(usize, f64)> = rounds.iter().map(|(c, r)| (*c, median_of(r))).collect();
+        let spread = |count: usize| {
+            let r = rounds.iter().find(|(c, _)| *c == count).map(|(_, r)| r.as_slice()).unwrap_or_default();
+            r.iter().map(|x| rate(*x)).collect::<Vec<_>>().join("/")
+        };
         let mut rows = Vec::new();
-        for count in RELAY_COUNTS {
-            fx.fill(&events).await?;
-            let mut stores = Vec::new();
-            for _ in 0..count {
-                stores.push(fx.another_store(P7_POOL).await?);
-            }
-            // One recorder for every relay of the count: their stage calls pooled.
-            let stages = Stages::default();
-            let relays: Vec<Arc<Relay>> = stores
-                .iter()
-                .enumerate()
-                .map(|(i, st)| {
-                    Arc::new(metrics::with_local_recorder(&stages, || {
-                        Relay::new(
-                            Arc::new(st.clone()),
-                            Arc::new(InstantBroker),
-                            relay_config(s, format!("relay-bench{count}-{i}")),
-                        )
-                    }))
-                })
-                .collect();
-            let t = Instant::now();
-            let mut tasks = tokio::task::JoinSet::new();
-            for r in &relays {
-                let r = r.clone();
-                tasks.spawn(async move { r.drain().await });
-            }
-            let mut total = BatchReport::default();
-            let joined = tokio::time::timeout(DRAIN_LIMIT, async {
-                while let Some(r) = tasks.join_next().await {
-                    let report = r.map_err(|e| fail(format!("relay task: {e}")))??;
-                    add(&mut total, &report);
-                }
-                Ok::<_, outbox::Error>(())
-            })
-            .await;
-            let elapsed = t.elapsed();
-            for st in &stores {
-                st.close().await;
-            }
-            joined.map_err(|_| fail(format!("{count} relays did not drain within {DRAIN_LIMIT:?}")))??;
-            check_report(&total, s.events)?;
-            fx.check_published(s.events, &format!("{count} relays")).await?;
-            let measured = per_second(s.events, elapsed);
-            say("P7", format!("{count} relay(s) {} ev/s; stages per call, all relays: {}", rate(measured), stages.summary()));
-            let best = rates.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1));
+        for (i, (count, measured)) in medians.iter().copied().enumerate() {
+            let best = medians[..i].iter().copied().max_by(|a, b| a.1.total_cmp(&b.1));
             let row = match best {
                 // No goal for one relay (P4 judges it); the ratio to raw SQL is shown.
                 None => Row::new(
@@ -1054,32 +1026,119 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                     measured,
                     Some(sql),
                     None,
-                    format!("1 relay, {}, pool {P7_POOL}; raw SQL on one connection", relay_settings(s)),
+                    format!(
+                        "1 relay, {}, pool {P7_POOL}; median of rounds {}; raw SQL on one connection",
+                        relay_settings(s),
+                        spread(count)
+                    ),
                     vec![("raw SQL".into(), sql)],
                     s.seed,
                 ),
                 Some((best_count, best_rate)) => Row::new(
                     format!("P7/{count}"),
                     format!("{count} relays, instant broker"),
-                    format!("best smaller count ({best_count})"),
+                    format!("best smaller count ({best_count}), median of its rounds"),
                     measured,
                     Some(best_rate),
                     Some(1.0),
-                    format!("{count} relays, {}, pool {P7_POOL} each; raw SQL {}", relay_settings(s), rate(sql)),
+                    format!(
+                        "{count} relays, {}, pool {P7_POOL} each; median of rounds {}; {best_count} relay(s): {}; raw \
+                         SQL {}",
+                        relay_settings(s),
+                        spread(count),
+                        spread(best_count),
+                        rate(sql)
+                    ),
                     std::iter::once(("raw SQL".to_string(), sql))
-                        .chain(rates.iter().map(|(c, r)| (format!("{c} relay(s)"), *r)))
+                        .chain(medians[..i].iter().map(|(c, r)| (format!("{c} relay(s), median"), *r)))
                         .collect(),
                     s.seed,
                 ),
             };
             rows.push(row);
-            rates.push((count, measured));
         }
         Ok(rows)
     }
     .await;
     let _ = fx.drop().await;
     result
+}
+
+/// Rounds of P7 (each relay count drains this many times).
+const P7_ROUNDS: usize = 3;
+
+/// The order P7 drains in: the counts up, then down, then up again (1, 2, 4, 8, 8, 4, 2, 1, 1,
+/// …), so that a machine getting faster or slower over the run touches every count alike.
+fn p7_order() -> impl Iterator<Item = usize> {
+    (0..P7_ROUNDS).flat_map(|round| {
+        let up = round % 2 == 0;
+        (0..RELAY_COUNTS.len()).map(move |i| RELAY_COUNTS[if up { i } else { RELAY_COUNTS.len() - 1 - i }])
+    })
+}
+
+/// The median of `rates` (the lower middle one for an even count, so that a tie never
+/// flatters); 0 for none.
+fn median_of(rates: &[f64]) -> f64 {
+    let mut sorted = rates.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len().saturating_sub(1) / 2).copied().unwrap_or(0.0)
+}
+
+/// One P7 drain: `count` relays, each on a store of its own, drain the backlog `events` (filled
+/// here) together; events per second, after checking every row was published exactly once.
+async fn p7_drain(fx: &PgFixture, s: &Settings, events: &[Event], count: usize, round: usize) -> Result<f64> {
+    fx.fill(events).await?;
+    let mut stores = Vec::new();
+    for _ in 0..count {
+        stores.push(fx.another_store(P7_POOL).await?);
+    }
+    // One recorder for every relay of the count: their stage calls pooled.
+    let stages = Stages::default();
+    let relays: Vec<Arc<Relay>> = stores
+        .iter()
+        .enumerate()
+        .map(|(i, st)| {
+            Arc::new(metrics::with_local_recorder(&stages, || {
+                Relay::new(
+                    Arc::new(st.clone()),
+                    Arc::new(InstantBroker),
+                    relay_config(s, format!("relay-bench{count}-{i}")),
+                )
+            }))
+        })
+        .collect();
+    let t = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for r in &relays {
+        let r = r.clone();
+        tasks.spawn(async move { r.drain().await });
+    }
+    let mut total = BatchReport::default();
+    let joined = tokio::time::timeout(DRAIN_LIMIT, async {
+        while let Some(r) = tasks.join_next().await {
+            let report = r.map_err(|e| fail(format!("relay task: {e}")))??;
+            add(&mut total, &report);
+        }
+        Ok::<_, outbox::Error>(())
+    })
+    .await;
+    let elapsed = t.elapsed();
+    for st in &stores {
+        st.close().await;
+    }
+    joined.map_err(|_| fail(format!("{count} relays did not drain within {DRAIN_LIMIT:?}")))??;
+    check_report(&total, s.events)?;
+    fx.check_published(s.events, &format!("{count} relays")).await?;
+    let measured = per_second(s.events, elapsed);
+    say(
+        "P7",
+        format!(
+            "round {round}: {count} relay(s) {} ev/s; stages per call, all relays: {}",
+            rate(measured),
+            stages.summary()
+        ),
+    );
+    Ok(measured)
 }
 
 /// P8: what per-key order costs the PostgreSQL claim. The store's claim statement against the one
@@ -1157,4 +1216,26 @@ async fn p8(s: &Settings) -> Result<Vec<Row>> {
     .await;
     let _ = fx.drop().await;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn p7_drains_every_count_once_per_round_going_up_then_down() {
+        let order: Vec<usize> = p7_order().collect();
+        assert_eq!(order, [1, 2, 4, 8, 8, 4, 2, 1, 1, 2, 4, 8]);
+        for count in RELAY_COUNTS {
+            assert_eq!(order.iter().filter(|c| **c == count).count(), P7_ROUNDS, "{count}");
+        }
+    }
+
+    #[test]
+    fn a_counts_median_is_its_middle_round_and_the_lower_middle_of_an_even_number() {
+        assert_eq!(median_of(&[30.0, 10.0, 20.0]), 20.0);
+        assert_eq!(median_of(&[40.0, 10.0, 30.0, 20.0]), 20.0);
+        assert_eq!(median_of(&[5.0]), 5.0);
+        assert_eq!(median_of(&[]), 0.0);
+    }
 }

@@ -272,14 +272,13 @@ impl SqliteConfig {
     }
 
     /// [`open_connection`](Self::open_connection) plus what the store's own connections add:
-    /// temporary storage in memory (`temp_store=MEMORY`). The store runs each of its writes in a
-    /// savepoint of the turn's transaction (group commit, in the pool), and SQLite keeps the
-    /// original of every page a savepoint changes in a sub-journal, which goes to a temporary
-    /// file once it passes 64 KiB: a claim or a completion of 100 rows changes that many pages of
-    /// the key indexes, so each one created, wrote and deleted a file (about 1.5 per batch). In
-    /// memory the sub-journal holds one write's pages, bounded by the batch. A caller's own
-    /// connection (`open_connection`, [`SqliteStore::connect_raw`](crate::SqliteStore::connect_raw))
-    /// keeps SQLite's default.
+    /// temporary storage in memory (`temp_store=MEMORY`). The writes of a group commit each run
+    /// in a savepoint (in the pool), and SQLite keeps the original of every page a savepoint
+    /// changes in a sub-journal that goes to a temporary file once it passes 64 KiB, created,
+    /// written and deleted per write; the claim's statements build small temporary tables too
+    /// (`json_each` lists, `DISTINCT`, `RETURNING`). In memory each is bounded by one write's
+    /// rows. A caller's own connection (`open_connection`,
+    /// [`SqliteStore::connect_raw`](crate::SqliteStore::connect_raw)) keeps SQLite's default.
     pub(crate) fn open_store_connection(&self) -> Result<Connection> {
         let conn = self.open_connection()?;
         conn.pragma_update(None, "temp_store", "MEMORY").ctx("set temp_store=MEMORY")?;

@@ -621,15 +621,20 @@ mod tests {
         Box::new(move |tx| tx.execute("INSERT INTO t VALUES (?1)", [name]).map(drop).ctx("insert"))
     }
 
+    /// A write that inserts `half` and then fails on the name `taken`, which is there already.
+    fn half_then_taken() -> TestWrite {
+        Box::new(|tx| {
+            tx.execute("INSERT INTO t VALUES ('half')", []).ctx("insert")?;
+            tx.execute("INSERT INTO t VALUES ('taken')", []).map(drop).ctx("insert")
+        })
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn writes_waiting_at_once_commit_in_one_transaction_and_a_failed_write_is_undone_alone() {
         let dir = tempfile::tempdir().unwrap();
         let pool = pool(&dir).await;
         // The third write inserts two names and then fails: its first insert must be undone.
-        let failing: TestWrite = Box::new(|tx| {
-            tx.execute("INSERT INTO t VALUES ('half')", []).ctx("insert")?;
-            tx.execute("INSERT INTO t VALUES ('taken')", []).map(drop).ctx("insert")
-        });
+        let failing = half_then_taken();
         let (out, transactions) =
             queued_behind_the_turn(&pool, vec![insert("a"), insert("b"), failing, insert("c")]).await;
 
@@ -646,10 +651,7 @@ mod tests {
     async fn a_write_that_waited_alone_is_undone_whole_when_it_fails_and_committed_when_it_does_not() {
         let dir = tempfile::tempdir().unwrap();
         let pool = pool(&dir).await;
-        let failing: TestWrite = Box::new(|tx| {
-            tx.execute("INSERT INTO t VALUES ('half')", []).ctx("insert")?;
-            tx.execute("INSERT INTO t VALUES ('taken')", []).map(drop).ctx("insert")
-        });
+        let failing = half_then_taken();
         let (out, transactions) = queued_behind_the_turn(&pool, vec![failing]).await;
         assert_eq!(transactions, 1, "{out:?}");
         let error = out[0].as_ref().expect_err("the write failed");

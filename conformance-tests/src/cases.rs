@@ -399,6 +399,13 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_enqueue_rejects_a_bad_batch_beside_other_enqueues",
+            class: "OutboxStore::enqueue",
+            property: "a batch with a duplicate event, sent at the same moment as another enqueue through the same store (a bad one or a good one), is rejected with Conflict and writes nothing; the good one is written",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_stats",
             class: "OutboxStore::stats",
             property: "counts by status and the age of the oldest pending row",
@@ -812,6 +819,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
                 store_enqueue_is_durable_when_it_returns(harness).await
             }
             "store_enqueue_rejects_bad_batches" => store_enqueue_rejects_bad_batches(harness).await,
+            "store_enqueue_rejects_a_bad_batch_beside_other_enqueues" => {
+                store_enqueue_rejects_a_bad_batch_beside_other_enqueues(harness).await
+            }
             "store_stats" => store_stats(harness).await,
             "claim_key_order_takes_a_prefix_per_key" => crate::order::takes_a_prefix_per_key(harness).await,
             "claim_key_order_blocked_middle_row_holds_back_the_rest_of_its_key" => {
@@ -1631,6 +1641,74 @@ async fn store_enqueue_rejects_bad_batches<H: Harness>(h: &H) -> outbox_core::Re
     let rows = all_rows(fx.store.as_ref()).await?;
     ensure!(CASE, rows.len() == 1 && rows[0].event == existing[0], "a rejected batch wrote rows: {rows:?}");
     Ok(CaseResult::Passed("TooLarge and Conflict, nothing written".into()))
+}
+
+/// Two enqueues at once, `ROUNDS` times: in even rounds two bad batches (a fresh event, then an
+/// id already stored), in odd rounds a bad one beside a good one. A store that commits writes
+/// waiting together (SQLite's group commit) runs one of the two alone after the other, so each
+/// round puts a bad batch in each of its paths: it must be rejected whole on both.
+async fn store_enqueue_rejects_a_bad_batch_beside_other_enqueues<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_enqueue_rejects_a_bad_batch_beside_other_enqueues";
+    const ROUNDS: usize = 8;
+    let (fx, _clock, existing) = store_fixture(h, CASE, 1).await?;
+    let tag = crate::world::unique_tag();
+    let bad = |round: usize, caller: usize| caller == 0 || round.is_multiple_of(2);
+    let mut want: Vec<Event> = existing.clone();
+    for round in 0..ROUNDS {
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let mut callers = Vec::with_capacity(2);
+        for caller in 0..2 {
+            let fresh = Event::new(
+                EventId::new(format!("{CASE}.{tag}.{round}.{caller}"))?,
+                fx.destination.clone(),
+                format!("payload {round}.{caller}").into_bytes(),
+            );
+            let batch = if bad(round, caller) {
+                vec![fresh, existing[0].clone()]
+            } else {
+                want.push(fresh.clone());
+                vec![fresh]
+            };
+            let (store, barrier) = (Arc::clone(&fx.store), Arc::clone(&barrier));
+            callers.push(tokio::spawn(async move {
+                barrier.wait().await;
+                Ok(store.enqueue(&batch).await.map(|ids| ids.len()).map_err(|e| e.kind()))
+            }));
+        }
+        for (caller, task) in callers.into_iter().enumerate() {
+            let what = if bad(round, caller) { "a bad batch" } else { "a good batch" };
+            match joined_within(task, "a concurrent enqueue").await? {
+                Some(Err(ErrorKind::Conflict)) if bad(round, caller) => {}
+                Some(Ok(1)) if !bad(round, caller) => {}
+                Some(out) => {
+                    return Ok(CaseResult::fail(CASE, "", format!("round {round}: {what} returned {out:?}")));
+                }
+                None => {
+                    return Ok(CaseResult::fail(
+                        CASE,
+                        "",
+                        format!("round {round}: {what} did not return within {RELAY_WAIT:?}"),
+                    ));
+                }
+            }
+        }
+    }
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let wanted: BTreeSet<&EventId> = want.iter().map(|e| &e.id).collect();
+    let extra: Vec<String> =
+        rows.iter().filter(|r| !wanted.contains(&r.event.id)).map(|r| r.event.id.to_string()).collect();
+    ensure!(
+        CASE,
+        extra.is_empty() && rows.len() == want.len(),
+        "after {ROUNDS} rounds the store holds {} rows, expected the {} good ones; written from rejected batches: {}",
+        rows.len(),
+        want.len(),
+        extra.join(", ")
+    );
+    Ok(CaseResult::Passed(format!(
+        "{ROUNDS} rounds of a bad batch beside another enqueue: every bad one Conflict and unwritten, {} rows",
+        want.len()
+    )))
 }
 
 async fn store_stats<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {

@@ -68,6 +68,10 @@ pub enum Mutant {
     /// write of a group its result first and commits afterwards): readers see those rows only
     /// [`UNCOMMITTED_FOR`] later. An enqueue alone is committed before it returns.
     EnqueueAnswersBeforeCommit,
+    /// An `enqueue` rejected while another enqueue is in flight keeps the rows of its batch it
+    /// could write (a group commit that commits a failed write's rows with its transaction when
+    /// no savepoint undoes them). A rejected enqueue alone writes nothing.
+    RejectedEnqueueKeepsRowsBesideOthers,
     /// Retention that deletes parked rows (dead letters awaiting an operator) along with old
     /// published ones.
     PurgeTakesParked,
@@ -132,7 +136,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 34] = [
+    pub const ALL: [Mutant; 35] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -143,6 +147,7 @@ impl Mutant {
         Mutant::ClaimHeldRowHoldsWholeKey,
         Mutant::ClaimLimitsBeforeHolds,
         Mutant::EnqueueAnswersBeforeCommit,
+        Mutant::RejectedEnqueueKeepsRowsBesideOthers,
         Mutant::PurgeTakesParked,
         Mutant::PublishedOnClaim,
         Mutant::MarkerFirst,
@@ -228,6 +233,9 @@ impl fmt::Display for Mutant {
             Self::EnqueueAnswersBeforeCommit => {
                 "enqueue that, beside other enqueues, returns before the commit that makes its rows visible"
             }
+            Self::RejectedEnqueueKeepsRowsBesideOthers => {
+                "enqueue rejected beside another enqueue that keeps the rows of its batch it could write"
+            }
             Self::PurgeTakesParked => "retention that deletes parked rows too",
             Self::PublishedOnClaim => "mark published before publishing",
             Self::MarkerFirst => "marker and effect in separate transactions (marker first)",
@@ -273,7 +281,8 @@ struct MutantStore {
     /// [`Mutant::EnqueueAnswersBeforeCommit`]: rows enqueued and answered for whose commit has
     /// not happened yet; readers do not see them.
     uncommitted: Arc<Mutex<HashSet<RowId>>>,
-    /// [`Mutant::EnqueueAnswersBeforeCommit`]: enqueues in flight now.
+    /// [`Mutant::EnqueueAnswersBeforeCommit`], [`Mutant::RejectedEnqueueKeepsRowsBesideOthers`]:
+    /// enqueues in flight now.
     enqueues: AtomicUsize,
 }
 
@@ -405,6 +414,21 @@ impl OutboxStore for MutantStore {
                 }
             });
             return Ok(ids);
+        }
+        if self.mode == Mutant::RejectedEnqueueKeepsRowsBesideOthers {
+            let others = self.enqueues.fetch_add(1, Ordering::SeqCst) > 0;
+            // Let enqueues started at the same moment join: a group.
+            tokio::task::yield_now().await;
+            let out = self.inner.enqueue(events).await;
+            let grouped = others || self.enqueues.load(Ordering::SeqCst) > 1;
+            if out.is_err() && grouped {
+                // What the rejected batch could write is committed with the group.
+                for e in events {
+                    let _ = self.inner.enqueue(std::slice::from_ref(e)).await;
+                }
+            }
+            self.enqueues.fetch_sub(1, Ordering::SeqCst);
+            return out;
         }
         if !matches!(
             self.mode,

@@ -229,6 +229,8 @@ pub trait OutboxStore: Send + Sync {
     /// - New rows are pending, available now, attempts 0, token 0; returned ids are in input order.
     /// - Durable when it returns, also while other enqueues through the same store run at once:
     ///   each returned id reads back through [`inspect`](OutboxAdmin::inspect) with its event.
+    /// - A rejected batch writes nothing, also while other enqueues through the same store run at
+    ///   once (a bad one or a good one, which is written).
     async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>>;
 
     /// Claim up to `limit` rows for `owner` for `lease` (store clock).

@@ -139,12 +139,12 @@ impl Pool {
         self.checkout().await?.run(f).await
     }
 
-    /// Run `f` in a `BEGIN IMMEDIATE` transaction on a pooled connection, when no other write of
-    /// this pool is running (see the module docs), together with the other writes waiting then
-    /// ("Group commit"); rolled back (to its savepoint) if `f` fails, and returns only once the
-    /// transaction has committed or failed. Waits at most the busy timeout for its turn, then at
-    /// most the busy timeout for SQLite's lock; either wait running out is a transient
-    /// [`ErrorKind::Busy`].
+    /// Run `f` in a `BEGIN IMMEDIATE` transaction on the turn's connection, when no other write
+    /// of this pool is running (see the module docs), together with the other writes waiting then
+    /// or queued while it runs ("Group commit"); rolled back (to its savepoint) if `f` fails, and
+    /// returns only once the transaction has committed or failed. Waits at most the busy timeout
+    /// for its turn, then at most the busy timeout for SQLite's lock; either wait running out is
+    /// a transient [`ErrorKind::Busy`].
     pub(crate) async fn write<T, F>(self: &Arc<Self>, what: &'static str, f: F) -> Result<T>
     where
         T: Send + 'static,

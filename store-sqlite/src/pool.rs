@@ -403,10 +403,16 @@ fn commit_group(conn: &mut Connection, pool: &Pool, mut group: Vec<Queued>) {
 /// and commit; every write of `ran` and `along` gets its result. Returns the error that ended the
 /// transaction, if one did.
 fn take_along_and_commit(tx: Transaction<'_>, what: &str, mut ran: Vec<Ran>, along: Vec<Queued>) -> Option<Error> {
-    if let Err(e) = run_in_savepoints(&tx, what, &mut ran, along) {
+    // A write taken along hears of a failed commit or savepoint under the first write's name:
+    // say that it was taken along, and how many were.
+    let what = match along.len() {
+        0 => std::borrow::Cow::Borrowed(what),
+        n => std::borrow::Cow::Owned(format!("{what}, with {n} write(s) taken along")),
+    };
+    if let Err(e) = run_in_savepoints(&tx, &what, &mut ran, along) {
         return Some(end_broken(tx, ran, e));
     }
-    let ended = tx.commit().err().map(|e| map_commit(what, e));
+    let ended = tx.commit().err().map(|e| map_commit(&what, e));
     ran.into_iter().for_each(|r| (r.deliver)(ended.clone()));
     ended
 }

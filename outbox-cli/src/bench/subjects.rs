@@ -1169,7 +1169,7 @@ async fn p8(s: &Settings) -> Result<Vec<Row>> {
             // each statement's median kept: the best of two single drains had read 0.80–1.13
             // for the same code in three runs of one table.
             let statements = [&before, &today, &shipped];
-            let mut rates: [Vec<f64>; 3] = Default::default();
+            let mut rates = statements.map(|_| Vec::new());
             for round in 0..P8_ROUNDS {
                 for i in 0..statements.len() {
                     let which = (round + i) % statements.len();

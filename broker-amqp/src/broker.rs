@@ -638,6 +638,12 @@ impl Broker for AmqpBroker {
         self.config().capabilities()
     }
 
+    /// [`PREFERRED_PIPELINE_DEPTH`](crate::config::PREFERRED_PIPELINE_DEPTH): 8 batches, since
+    /// RabbitMQ confirms after a disk sync and one relay at the default 2 leaves it waiting.
+    fn preferred_pipeline_depth(&self) -> Option<usize> {
+        Some(crate::config::PREFERRED_PIPELINE_DEPTH)
+    }
+
     /// Declare a durable topic exchange for `destination` and, for each group, a durable queue
     /// bound with `#`. With `declare_topology` off, only check that they exist.
     async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {

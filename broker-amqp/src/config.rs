@@ -34,6 +34,15 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default [`AmqpConfig::connect_timeout`].
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Batches a relay keeps at RabbitMQ at once unless its config sets a depth
+/// ([`Broker::preferred_pipeline_depth`](outbox_core::Broker::preferred_pipeline_depth)).
+/// RabbitMQ confirms persistent messages after a disk sync, in groups, so a relay is bound by
+/// how many messages wait for confirms: one relay (PostgreSQL, batch 100, 1,000 keys, 2 cores)
+/// published 8.7k–8.9k events/s at depth 2, 9.3k–9.5k at 4, 10.0k–10.7k at 8 and 9.1k–9.8k at
+/// 16 and 32, where its claims became the limit (`outbox bench --only P2 --seed 7
+/// --pipeline-depth D`, two runs each, 2026-12-07; raw publish 12.9k–14.0k in the same runs).
+pub const PREFERRED_PIPELINE_DEPTH: usize = 8;
+
 /// Default [`AmqpConfig::publish_channels`].
 pub const DEFAULT_PUBLISH_CHANNELS: usize = 16;
 

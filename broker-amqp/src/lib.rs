@@ -13,7 +13,7 @@ pub use broker::AmqpBroker;
 pub use codec::{DELIVERY_COUNT_HEADER, HEADER_NAMES_HEADER, KEY_HEADER, is_reserved_header};
 pub use config::{
     AmqpConfig, DEFAULT_CONFIRM_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFETCH, DEFAULT_PUBLISH_CHANNELS, ENV_URL,
-    MAX_NAME_LEN, QueueType, RoutingKey,
+    MAX_NAME_LEN, PREFERRED_PIPELINE_DEPTH, QueueType, RoutingKey,
 };
 pub use subscription::AmqpSubscription;
 

@@ -59,6 +59,10 @@ impl Broker for Namespaced {
         self.kafka.capabilities()
     }
 
+    fn preferred_pipeline_depth(&self) -> Option<usize> {
+        self.kafka.preferred_pipeline_depth()
+    }
+
     async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
         let groups = groups.iter().map(|g| self.group(g)).collect::<Result<Vec<_>>>()?;
         self.kafka.declare(destination, &groups).await

@@ -171,6 +171,10 @@ impl Broker for Faulty {
         self.inner.capabilities()
     }
 
+    fn preferred_pipeline_depth(&self) -> Option<usize> {
+        self.inner.preferred_pipeline_depth()
+    }
+
     async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
         self.inner.declare(destination, groups).await
     }

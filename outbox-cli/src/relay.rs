@@ -34,9 +34,9 @@ pub(crate) struct RelayArgs {
     /// (up to 2 × depth + 1 between claim and recorded outcome); 1 runs claim, publish and
     /// complete one after another. Deeper helps a broker bound by confirm latency (RabbitMQ) and
     /// may cost a relay whose store is its limit (README). Keep 2 × (publish time of a batch)
-    /// well under the lease.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pipeline_depth: u32,
+    /// well under the lease. Default: the broker's preference (RabbitMQ 8), else 2.
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pipeline_depth: Option<u32>,
     /// Ignored (kept so existing command lines still parse): the broker's batching now decides
     /// how many publishes are in flight.
     #[arg(long, hide = true, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=10_000))]
@@ -102,13 +102,15 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
     if args.concurrency.is_some() {
         warn!(target: "outbox.relay", "--concurrency is ignored: the broker's batching decides how many publishes are in flight (see --pipeline-depth)");
     }
-    let config = RelayConfig::default()
+    let mut config = RelayConfig::default()
         .with_owner(owner.clone())
         .with_batch_size(args.batch as usize)
-        .with_pipeline_depth(args.pipeline_depth as usize)
         .with_lease(args.lease)
         .with_max_attempts(args.max_attempts)
         .with_idle_poll(args.idle_poll);
+    if let Some(depth) = args.pipeline_depth {
+        config = config.with_pipeline_depth(depth as usize);
+    }
     // Checked before the relay starts: a bad retention setting (zero) fails here, not later.
     let cleanup = match args.retain_published {
         Some(age) => Some(Arc::new(Cleanup::new(
@@ -135,7 +137,7 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
         store = %redact(&args.store),
         broker = %redact(&args.broker),
         batch = args.batch,
-        pipeline_depth = args.pipeline_depth,
+        pipeline_depth = relay.pipeline_depth(),
         lease = ?args.lease,
         metrics = ?server.as_ref().map(|s| s.addr),
         "relay started"

@@ -437,6 +437,21 @@ pub trait Broker: Send + Sync {
         crate::capabilities::Capabilities::none()
     }
 
+    /// Batches a [`Relay`](crate::Relay) should keep at this broker at once when its
+    /// [`RelayConfig::pipeline_depth`](crate::RelayConfig::pipeline_depth) is not set.
+    ///
+    /// # Behavior
+    /// - cheap and without I/O: decided by the adapter and its configuration;
+    /// - `None` (the default): no preference, the relay uses
+    ///   [`DEFAULT_PIPELINE_DEPTH`](crate::DEFAULT_PIPELINE_DEPTH);
+    /// - a broker whose acknowledgements come late and in groups (RabbitMQ's publisher confirms
+    ///   after a disk sync) names the depth at which one relay keeps it busy; a depth set in the
+    ///   relay's config wins;
+    /// - decorators return their inner broker's preference.
+    fn preferred_pipeline_depth(&self) -> Option<usize> {
+        None
+    }
+
     /// Make sure `destination` exists and each group in `groups` will receive everything
     /// published to it from now on.
     ///

@@ -172,6 +172,10 @@ impl Backoff {
     }
 }
 
+/// Batches a relay keeps at the broker at once when neither its [`RelayConfig`] nor its broker
+/// ([`Broker::preferred_pipeline_depth`]) says otherwise.
+pub const DEFAULT_PIPELINE_DEPTH: usize = 2;
+
 /// How a relay behaves. `Default` gives production values.
 ///
 /// `#[non_exhaustive]`: build it with [`RelayConfig::new`] (or `default`) and the `with_*`
@@ -198,7 +202,10 @@ pub struct RelayConfig {
                 `pipeline_depth` sets the batches at the broker"
     )]
     pub concurrency: usize,
-    /// Batches at the broker at once (at least 1). With 2, the next batch is published while
+    /// Batches at the broker at once (at least 1); `None` (the default): the broker's
+    /// [`preferred_pipeline_depth`](Broker::preferred_pipeline_depth), else
+    /// [`DEFAULT_PIPELINE_DEPTH`] (2); [`Relay::pipeline_depth`] tells which. With 2, the next
+    /// batch is published while
     /// this one's publish is still waiting for the broker's acknowledgements; one more batch is
     /// claimed ahead to take the next free place, and each batch's outcomes are recorded as its
     /// publish ends, so up to `2 × pipeline_depth + 1` batches are between their claim and their
@@ -209,7 +216,7 @@ pub struct RelayConfig {
     /// [`Relay::run_once`] is always one batch. Keep one batch's publish time well under
     /// [`lease`](Self::lease): a batch that waited in the pipeline for half its lease is released
     /// unpublished (see the module docs).
-    pub pipeline_depth: usize,
+    pub pipeline_depth: Option<usize>,
     /// Failed attempts after which a row is parked.
     pub max_attempts: u32,
     /// Retry delays.
@@ -234,7 +241,7 @@ impl Default for RelayConfig {
             batch_size: 100,
             lease: Duration::from_secs(30),
             concurrency: 16,
-            pipeline_depth: 2,
+            pipeline_depth: None,
             max_attempts: 10,
             backoff: Backoff::default(),
             idle_poll: Duration::from_millis(500),
@@ -286,10 +293,11 @@ impl RelayConfig {
         self
     }
 
-    /// Set [`pipeline_depth`](Self::pipeline_depth) (0 counts as 1).
+    /// Set [`pipeline_depth`](Self::pipeline_depth) (0 counts as 1), whatever the broker
+    /// prefers.
     #[must_use]
     pub fn with_pipeline_depth(mut self, pipeline_depth: usize) -> Self {
-        self.pipeline_depth = pipeline_depth;
+        self.pipeline_depth = Some(pipeline_depth);
         self
     }
 
@@ -453,6 +461,8 @@ pub struct Relay {
     config: RelayConfig,
     counters: Counters,
     meters: Meters,
+    /// Batches at the broker at once: [`RelayConfig::pipeline_depth`] or the broker's preference.
+    depth: usize,
     /// Rows the next claim asks for: [`RelayConfig::batch_size`] or fewer after a batch
     /// outlasted its lease (see the module docs).
     limit: AtomicUsize,
@@ -539,10 +549,17 @@ impl Relay {
         let meters = Meters::new(&config.owner);
         let limit = config.batch_size.max(1);
         meters.batch_limit.set(limit as f64);
+        // 2 × depth + 1 permits must fit a semaphore and `acquire_many`'s u32.
+        let depth = config
+            .pipeline_depth
+            .or_else(|| broker.preferred_pipeline_depth())
+            .unwrap_or(DEFAULT_PIPELINE_DEPTH)
+            .clamp(1, (Semaphore::MAX_PERMITS.min(u32::MAX as usize) - 1) / 2);
         Self {
             store,
             broker,
             config,
+            depth,
             counters: Counters::default(),
             meters,
             limit: AtomicUsize::new(limit),
@@ -554,6 +571,13 @@ impl Relay {
     /// The configuration.
     pub fn config(&self) -> &RelayConfig {
         &self.config
+    }
+
+    /// Batches this relay keeps at the broker at once: [`RelayConfig::pipeline_depth`] where
+    /// set, else the broker's [`preferred_pipeline_depth`](Broker::preferred_pipeline_depth),
+    /// else [`DEFAULT_PIPELINE_DEPTH`] (at least 1).
+    pub fn pipeline_depth(&self) -> usize {
+        self.depth
     }
 
     /// A handle that stops [`run`](Relay::run) gracefully.
@@ -670,8 +694,7 @@ impl Relay {
     /// Returns once every claimed batch is settled: the claim stage stops (idle, shutdown,
     /// refusal, error, or its one batch), the queues drain, the stages end in order.
     async fn pipeline(&self, until: Until, wakeup: Option<&mut Wakeup>) -> (BatchReport, Stop) {
-        // 2 × depth + 1 permits must fit a semaphore and `acquire_many`'s u32.
-        let depth = self.config.pipeline_depth.clamp(1, (Semaphore::MAX_PERMITS.min(u32::MAX as usize) - 1) / 2);
+        let depth = self.depth;
         let (unpublished, in_flight) = Self::bounds(depth);
         // On a store with one writer a batch is claimed ahead only while every place at the
         // broker is publishing (module docs, "One writer").

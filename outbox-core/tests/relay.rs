@@ -1187,17 +1187,22 @@ async fn a_store_with_one_writer_gets_no_batch_claimed_ahead() {
     }
 }
 
-/// A broker whose publishes wait until the test opens the gate, counting the publishes begun.
+/// A broker whose publishes wait until the test opens the gate, counting the publishes begun,
+/// and that prefers `prefers` batches at once.
 struct Gated {
     inner: MemoryBroker,
     open: tokio::sync::watch::Receiver<bool>,
     begun: std::sync::atomic::AtomicUsize,
+    prefers: Option<usize>,
 }
 
 #[async_trait]
 impl Broker for Gated {
     fn backend(&self) -> &'static str {
         "gated"
+    }
+    fn preferred_pipeline_depth(&self) -> Option<usize> {
+        self.prefers
     }
     async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> outbox_core::Result<()> {
         self.inner.declare(d, g).await
@@ -1233,7 +1238,7 @@ async fn a_store_with_one_writer_gets_a_batch_claimed_ahead_while_the_broker_is_
         ..StallComplete::new(store.clone(), Arc::new(Notify::new()))
     });
     let (open, gate) = tokio::sync::watch::channel(false);
-    let gated = Arc::new(Gated { inner: broker.clone(), open: gate, begun: Default::default() });
+    let gated = Arc::new(Gated { inner: broker.clone(), open: gate, begun: Default::default(), prefers: None });
     let relay = Relay::new(writer.clone(), gated.clone(), config("r").with_batch_size(2).with_pipeline_depth(2));
     let drain = tokio::spawn(async move { relay.drain().await });
 
@@ -1263,6 +1268,49 @@ async fn a_store_with_one_writer_gets_a_batch_claimed_ahead_while_the_broker_is_
     let mut published = log_ids(&broker);
     published.sort();
     assert_eq!(published, (1..=20).map(|i| format!("e{i:02}")).collect::<Vec<_>>());
+}
+
+/// `Broker::preferred_pipeline_depth`: a relay whose config sets no depth keeps as many batches
+/// at the broker as the broker prefers (3), a depth set in the config wins (1 and 2), and a
+/// broker without a preference gets `DEFAULT_PIPELINE_DEPTH` (2). Batches of one keyless row, the
+/// gate shut: exactly that many publishes begin, no more; then every row is published once.
+#[tokio::test]
+async fn a_relay_without_a_depth_keeps_as_many_batches_at_the_broker_as_it_prefers() {
+    use std::sync::atomic::Ordering::SeqCst;
+    for (prefers, set, depth) in [(Some(3), None, 3), (Some(3), Some(1), 1), (Some(3), Some(2), 2), (None, None, 2)] {
+        let case = format!("broker prefers {prefers:?}, config sets {set:?}");
+        let (_clock, store, broker) = setup().await;
+        let events: Vec<Event> = (1..=12).map(|i| event(&format!("e{i:02}"))).collect();
+        store.enqueue(&events).await.unwrap();
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let gated = Arc::new(Gated { inner: broker.clone(), open: gate, begun: Default::default(), prefers });
+        let config = config("r").with_batch_size(1);
+        let config = match set {
+            Some(d) => config.with_pipeline_depth(d),
+            None => config,
+        };
+        let relay = Relay::new(Arc::new(store.clone()), gated.clone(), config);
+        assert_eq!(relay.pipeline_depth(), depth, "{case}");
+        let drain = tokio::spawn(async move { relay.drain().await });
+        within(&format!("{depth} publishes begun ({case})"), async {
+            wait_until(|| gated.begun.load(SeqCst) == depth).await;
+        })
+        .await;
+        for _ in 0..64 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(gated.begun.load(SeqCst), depth, "no more batches at the broker than the depth ({case})");
+        assert!(broker.log(&dest()).is_empty(), "nothing published while the gate is shut ({case})");
+        open.send(true).unwrap();
+        let report = within(&format!("the relay draining 12 rows ({case})"), drain).await.unwrap().unwrap();
+        assert_eq!((report.claimed, report.published), (12, 12), "{case}: {report:?}");
+        for r in all_rows(&store).await.unwrap() {
+            assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{case}: {r:?}");
+        }
+        let mut published = log_ids(&broker);
+        published.sort();
+        assert_eq!(published, (1..=12).map(|i| format!("e{i:02}")).collect::<Vec<_>>(), "{case}");
+    }
 }
 
 /// A pipeline depth too large for the relay's permits is clamped, not a panic or a hang: every

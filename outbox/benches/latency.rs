@@ -43,6 +43,9 @@ impl Broker for Timed {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
+    fn preferred_pipeline_depth(&self) -> Option<usize> {
+        self.inner.preferred_pipeline_depth()
+    }
     async fn declare(&self, destination: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
         self.inner.declare(destination, groups).await
     }
@@ -199,7 +202,8 @@ async fn main() {
     );
     println!(
         "  relay batch {} pipeline depth {} idle poll {IDLE_POLL:?}; seed {seed} (BENCH_SEED={seed} to repeat)",
-        defaults.batch_size, defaults.pipeline_depth
+        defaults.batch_size,
+        defaults.pipeline_depth.or(broker.preferred_pipeline_depth()).unwrap_or(outbox::DEFAULT_PIPELINE_DEPTH)
     );
     println!(
         "  PostgreSQL {} schema {schema} (channel {}); Redis {} stream {}",

@@ -187,7 +187,7 @@ async fn main() {
          lease {LEASE:?}  pipeline depth {}  (no randomness: no seed)",
         config.redacted_url(),
         OWNER.len(),
-        RelayConfig::default().pipeline_depth,
+        outbox::DEFAULT_PIPELINE_DEPTH,
     );
 
     let mut raw_conn = PgConnection::connect_with(&config.connect_options().unwrap()).await.unwrap();

@@ -43,9 +43,10 @@ pub(crate) struct BenchArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     keys: u32,
     /// Batches a relay has at the broker at once (`RelayConfig::pipeline_depth`; one more is
-    /// claimed ahead; 1: claim, publish and complete one after another).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pipeline_depth: u32,
+    /// claimed ahead; 1: claim, publish and complete one after another). Default: the broker's
+    /// preference (RabbitMQ 8), else 2, as `outbox relay` does.
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pipeline_depth: Option<u32>,
     /// Deliveries in flight in P6, for the consumer and for the hand-written loop alike.
     #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     in_flight: u32,
@@ -162,7 +163,8 @@ pub(crate) struct Settings {
     pub(crate) batch: usize,
     pub(crate) payload: usize,
     pub(crate) keys: u64,
-    pub(crate) pipeline_depth: usize,
+    /// `--pipeline-depth`; `None`: each broker's preference, else the relay's default.
+    pub(crate) pipeline_depth: Option<usize>,
     pub(crate) in_flight: usize,
     pub(crate) per_commit: usize,
     /// Runs per subject (`--repeat`).
@@ -177,6 +179,17 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
+    /// The depth of a relay publishing to `broker`: `--pipeline-depth`, else the broker's
+    /// preference, else the relay's default (what [`Relay::pipeline_depth`] reports).
+    ///
+    /// [`Relay::pipeline_depth`]: outbox::Relay::pipeline_depth
+    pub(crate) fn depth(&self, broker: &dyn outbox::Broker) -> usize {
+        self.pipeline_depth
+            .or_else(|| broker.preferred_pipeline_depth())
+            .unwrap_or(outbox::DEFAULT_PIPELINE_DEPTH)
+            .max(1)
+    }
+
     /// The configuration every row shares, for the header and the JSON.
     fn describe(&self) -> String {
         format!(
@@ -185,7 +198,8 @@ impl Settings {
             self.batch,
             self.payload,
             self.keys,
-            self.pipeline_depth,
+            self.pipeline_depth
+                .map_or_else(|| format!("the broker's, else {}", outbox::DEFAULT_PIPELINE_DEPTH), |d| d.to_string()),
             self.in_flight,
             self.per_commit,
             self.repeat,
@@ -218,7 +232,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
         batch: args.batch as usize,
         payload: args.payload as usize,
         keys: u64::from(args.keys),
-        pipeline_depth: args.pipeline_depth as usize,
+        pipeline_depth: args.pipeline_depth.map(|d| d as usize),
         in_flight: args.in_flight as usize,
         per_commit: args.per_commit as usize,
         repeat: args.repeat as usize,

@@ -230,7 +230,7 @@ pub(crate) fn json(settings: &Settings, machine: &str, outcomes: &[(Subject, Out
                 ("batch", Json::Num(settings.batch as i128)),
                 ("payload", Json::Num(settings.payload as i128)),
                 ("keys", Json::Num(settings.keys.into())),
-                ("pipeline_depth", Json::Num(settings.pipeline_depth as i128)),
+                ("pipeline_depth", settings.pipeline_depth.map_or(Json::Null, |d| Json::Num(d as i128))),
                 ("in_flight", Json::Num(settings.in_flight as i128)),
                 ("per_commit", Json::Num(settings.per_commit as i128)),
                 ("repeat", Json::Num(settings.repeat as i128)),

@@ -39,16 +39,22 @@ pub(crate) async fn run(subject: Subject, s: &Settings) -> Result<Vec<Row>> {
 }
 
 fn relay_config(s: &Settings, owner: String) -> RelayConfig {
-    RelayConfig::new(owner)
-        .with_batch_size(s.batch)
-        .with_pipeline_depth(s.pipeline_depth)
-        .with_lease(LEASE)
-        .with_seed(Some(s.seed))
+    let config = RelayConfig::new(owner).with_batch_size(s.batch).with_lease(LEASE).with_seed(Some(s.seed));
+    match s.pipeline_depth {
+        Some(depth) => config.with_pipeline_depth(depth),
+        None => config,
+    }
 }
 
-/// The relay settings a row shows.
-fn relay_settings(s: &Settings) -> String {
-    format!("batch {}, pipeline depth {}, lease {}s", s.batch, s.pipeline_depth, LEASE.as_secs())
+/// The relay settings a row shows, for a relay publishing to `broker`.
+fn relay_settings(s: &Settings, broker: &dyn Broker) -> String {
+    let depth = s.depth(broker);
+    let whose = match s.pipeline_depth {
+        Some(_) => "",
+        None if broker.preferred_pipeline_depth().is_some() => " (the broker's)",
+        None => " (the default)",
+    };
+    format!("batch {}, pipeline depth {depth}{whose}, lease {}s", s.batch, LEASE.as_secs())
 }
 
 /// One relay draining the backlog: events per second, after checking it published all `n`.
@@ -173,7 +179,7 @@ async fn p1(s: &Settings) -> Result<Vec<Row>> {
                 fx.schema,
                 broker.stream_key(&dest),
                 s.events,
-                relay_settings(s),
+                relay_settings(s, &broker),
                 s.batch,
                 s.batch,
                 raw::REDIS_PIPELINES
@@ -208,7 +214,7 @@ async fn p1(s: &Settings) -> Result<Vec<Row>> {
             Some(0.8),
             format!(
                 "1 relay, {}; raw SQL {}, raw XADD {} (pipelines of {}, {} in flight)",
-                relay_settings(s),
+                relay_settings(s, &broker),
                 rate(sql),
                 rate(xadd),
                 s.batch,
@@ -247,7 +253,7 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
                 config.queue_type().as_str(),
                 config.exchange_name(&raw_dest)?,
                 s.events,
-                relay_settings(s),
+                relay_settings(s, &broker),
                 config.publish_channels(),
                 config.batch_channels(),
                 raw::AMQP_WINDOW
@@ -277,14 +283,15 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
         // `pipeline_depth` at once), to a queue of its own.
         let raw_events = fixture::events(s, &raw_dest, s.events);
         empty_queue(&broker, &raw_dest, &group).await?;
-        let adapter = raw::adapter_batches(&broker, &raw_events, s.batch, s.pipeline_depth).await?;
+        let depth = s.depth(&broker);
+        let adapter = raw::adapter_batches(&broker, &raw_events, s.batch, depth).await?;
         expect_depth(&broker, &raw_dest, &group, s.events, "the adapter's queue").await?;
         say(
             "P2",
             format!(
                 "the adapter's publish_batch alone (batches of {}, {} at once, no store): {} ev/s",
                 s.batch,
-                s.pipeline_depth,
+                depth,
                 rate(adapter)
             ),
         );
@@ -317,7 +324,7 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
                 "1 relay, {}, {} channels ({} per batch), {} queue; raw SQL {}, raw publish {} (window {}); both at \
                  once: {} / {}; the adapter's publish_batch alone ({} at once): {}; the relay from the in-memory \
                  store: {}",
-                relay_settings(s),
+                relay_settings(s, &broker),
                 config.publish_channels(),
                 config.batch_channels(),
                 config.queue_type().as_str(),
@@ -326,7 +333,7 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
                 raw::AMQP_WINDOW,
                 rate(sql_along),
                 rate(publish_along),
-                s.pipeline_depth,
+                depth,
                 rate(adapter),
                 rate(from_memory)
             ),
@@ -366,7 +373,7 @@ async fn p3(s: &Settings) -> Result<Vec<Row>> {
                 fx.schema,
                 config.partitions,
                 s.events,
-                relay_settings(s),
+                relay_settings(s, &broker),
                 raw::KAFKA_IN_FLIGHT
             ),
         );
@@ -393,7 +400,7 @@ async fn p3(s: &Settings) -> Result<Vec<Row>> {
             Some(0.8),
             format!(
                 "1 relay, {}, {} partition(s); raw SQL {}, raw produce {} ({} in flight)",
-                relay_settings(s),
+                relay_settings(s, &broker),
                 config.partitions,
                 rate(sql),
                 rate(produce),
@@ -425,7 +432,7 @@ async fn p4(s: &Settings) -> Result<Vec<Row>> {
                  claim+complete per batch of {}",
                 fx.schema,
                 s.events,
-                relay_settings(s),
+                relay_settings(s, &InstantBroker),
                 s.batch
             ),
         );
@@ -444,7 +451,7 @@ async fn p4(s: &Settings) -> Result<Vec<Row>> {
             measured,
             Some(sql),
             Some(0.9),
-            format!("1 relay, {}; raw SQL on one connection", relay_settings(s)),
+            format!("1 relay, {}; raw SQL on one connection", relay_settings(s, &InstantBroker)),
             vec![("raw SQL".into(), sql)],
             s.seed,
         )])
@@ -489,7 +496,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
             dir.path().display(),
             s.events,
             s.keys,
-            relay_settings(s),
+            relay_settings(s, &InstantBroker),
             s.batch
         ),
     );
@@ -521,7 +528,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
         Some(0.8),
         format!(
             "1 relay, {}; synchronous={synchronous}; {} keys; raw claim before key order {} ({:.2} of it){brokers}",
-            relay_settings(s),
+            relay_settings(s, &InstantBroker),
             s.keys,
             rate(before_rate),
             measured / before_rate
@@ -993,7 +1000,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                 fx.schema,
                 s.events,
                 p7_order().map(|i| RELAY_COUNTS[i].to_string()).collect::<Vec<_>>().join(","),
-                relay_settings(s)
+                relay_settings(s, &InstantBroker)
             ),
         );
         let events = fixture::events(s, &dest, s.events);
@@ -1023,7 +1030,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                     None,
                     format!(
                         "1 relay, {}, pool {P7_POOL}; median of rounds {}; raw SQL on one connection",
-                        relay_settings(s),
+                        relay_settings(s, &InstantBroker),
                         spread(i)
                     ),
                     vec![("raw SQL".into(), sql)],
@@ -1039,7 +1046,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                     format!(
                         "{count} relays, {}, pool {P7_POOL} each; median of rounds {}; {best_count} relay(s): {}; raw \
                          SQL {}",
-                        relay_settings(s),
+                        relay_settings(s, &InstantBroker),
                         spread(i),
                         spread(best_i),
                         rate(sql)

@@ -205,8 +205,8 @@ pub struct RelayConfig {
     /// Batches at the broker at once (at least 1); `None` (the default): the broker's
     /// [`preferred_pipeline_depth`](Broker::preferred_pipeline_depth), else
     /// [`DEFAULT_PIPELINE_DEPTH`] (2); [`Relay::pipeline_depth`] tells which. With 2, the next
-    /// batch is published while
-    /// this one's publish is still waiting for the broker's acknowledgements; one more batch is
+    /// batch is published while this one's publish is still waiting for the broker's
+    /// acknowledgements; one more batch is
     /// claimed ahead to take the next free place, and each batch's outcomes are recorded as its
     /// publish ends, so up to `2 × pipeline_depth + 1` batches are between their claim and their
     /// recorded outcomes (on a store with [one writer](OutboxStore::one_writer) a batch is

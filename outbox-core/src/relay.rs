@@ -293,6 +293,19 @@ impl RelayConfig {
         self
     }
 
+    /// The batches a relay with this config keeps at `broker` at once:
+    /// [`pipeline_depth`](Self::pipeline_depth) where set, else the broker's
+    /// [`preferred_pipeline_depth`](Broker::preferred_pipeline_depth), else
+    /// [`DEFAULT_PIPELINE_DEPTH`]; at least 1, and at most what the relay's semaphores hold.
+    /// [`Relay::pipeline_depth`] is this for the relay's broker.
+    pub fn pipeline_depth_for(&self, broker: &dyn Broker) -> usize {
+        // 2 × depth + 1 permits must fit a semaphore and `acquire_many`'s u32.
+        self.pipeline_depth
+            .or_else(|| broker.preferred_pipeline_depth())
+            .unwrap_or(DEFAULT_PIPELINE_DEPTH)
+            .clamp(1, (Semaphore::MAX_PERMITS.min(u32::MAX as usize) - 1) / 2)
+    }
+
     /// Set [`pipeline_depth`](Self::pipeline_depth) (0 counts as 1), whatever the broker
     /// prefers.
     #[must_use]
@@ -549,12 +562,7 @@ impl Relay {
         let meters = Meters::new(&config.owner);
         let limit = config.batch_size.max(1);
         meters.batch_limit.set(limit as f64);
-        // 2 × depth + 1 permits must fit a semaphore and `acquire_many`'s u32.
-        let depth = config
-            .pipeline_depth
-            .or_else(|| broker.preferred_pipeline_depth())
-            .unwrap_or(DEFAULT_PIPELINE_DEPTH)
-            .clamp(1, (Semaphore::MAX_PERMITS.min(u32::MAX as usize) - 1) / 2);
+        let depth = config.pipeline_depth_for(broker.as_ref());
         Self {
             store,
             broker,
@@ -573,9 +581,10 @@ impl Relay {
         &self.config
     }
 
-    /// Batches this relay keeps at the broker at once: [`RelayConfig::pipeline_depth`] where
-    /// set, else the broker's [`preferred_pipeline_depth`](Broker::preferred_pipeline_depth),
-    /// else [`DEFAULT_PIPELINE_DEPTH`] (at least 1).
+    /// Batches this relay keeps at the broker at once ([`RelayConfig::pipeline_depth_for`] its
+    /// broker): [`RelayConfig::pipeline_depth`] where set, else the broker's
+    /// [`preferred_pipeline_depth`](Broker::preferred_pipeline_depth), else
+    /// [`DEFAULT_PIPELINE_DEPTH`].
     pub fn pipeline_depth(&self) -> usize {
         self.depth
     }

@@ -203,7 +203,7 @@ async fn main() {
     println!(
         "  relay batch {} pipeline depth {} idle poll {IDLE_POLL:?}; seed {seed} (BENCH_SEED={seed} to repeat)",
         defaults.batch_size,
-        defaults.pipeline_depth.or(broker.preferred_pipeline_depth()).unwrap_or(outbox::DEFAULT_PIPELINE_DEPTH)
+        defaults.pipeline_depth_for(broker.as_ref())
     );
     println!(
         "  PostgreSQL {} schema {schema} (channel {}); Redis {} stream {}",

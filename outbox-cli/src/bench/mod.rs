@@ -179,17 +179,6 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
-    /// The depth of a relay publishing to `broker`: `--pipeline-depth`, else the broker's
-    /// preference, else the relay's default (what [`Relay::pipeline_depth`] reports).
-    ///
-    /// [`Relay::pipeline_depth`]: outbox::Relay::pipeline_depth
-    pub(crate) fn depth(&self, broker: &dyn outbox::Broker) -> usize {
-        self.pipeline_depth
-            .or_else(|| broker.preferred_pipeline_depth())
-            .unwrap_or(outbox::DEFAULT_PIPELINE_DEPTH)
-            .max(1)
-    }
-
     /// The configuration every row shares, for the header and the JSON.
     fn describe(&self) -> String {
         format!(

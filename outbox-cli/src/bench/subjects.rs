@@ -46,9 +46,15 @@ fn relay_config(s: &Settings, owner: String) -> RelayConfig {
     }
 }
 
+/// The depth of a relay publishing to `broker` with this run's settings (what its
+/// `Relay::pipeline_depth` reports).
+fn depth(s: &Settings, broker: &dyn Broker) -> usize {
+    relay_config(s, String::new()).pipeline_depth_for(broker)
+}
+
 /// The relay settings a row shows, for a relay publishing to `broker`.
 fn relay_settings(s: &Settings, broker: &dyn Broker) -> String {
-    let depth = s.depth(broker);
+    let depth = depth(s, broker);
     let whose = match s.pipeline_depth {
         Some(_) => "",
         None if broker.preferred_pipeline_depth().is_some() => " (the broker's)",
@@ -283,7 +289,7 @@ async fn p2(s: &Settings) -> Result<Vec<Row>> {
         // `pipeline_depth` at once), to a queue of its own.
         let raw_events = fixture::events(s, &raw_dest, s.events);
         empty_queue(&broker, &raw_dest, &group).await?;
-        let depth = s.depth(&broker);
+        let depth = depth(s, &broker);
         let adapter = raw::adapter_batches(&broker, &raw_events, s.batch, depth).await?;
         expect_depth(&broker, &raw_dest, &group, s.events, "the adapter's queue").await?;
         say(

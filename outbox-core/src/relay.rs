@@ -581,10 +581,8 @@ impl Relay {
         &self.config
     }
 
-    /// Batches this relay keeps at the broker at once ([`RelayConfig::pipeline_depth_for`] its
-    /// broker): [`RelayConfig::pipeline_depth`] where set, else the broker's
-    /// [`preferred_pipeline_depth`](Broker::preferred_pipeline_depth), else
-    /// [`DEFAULT_PIPELINE_DEPTH`].
+    /// Batches this relay keeps at the broker at once: [`RelayConfig::pipeline_depth_for`] its
+    /// broker, resolved once in [`Relay::new`].
     pub fn pipeline_depth(&self) -> usize {
         self.depth
     }

@@ -92,7 +92,7 @@ async fn relay_counts_fenced_completions() {
 
     let a = tokio::spawn(async move { relay_a.run_once().await.unwrap() });
     // Wait (with a deadline) until A has published both events.
-    wait_until(|| broker.log(&dest()).len() == 2).await;
+    wait_until("A published both events", || broker.log(&dest()).len() == 2).await;
     clock.advance(LEASE * 2);
     let rb = relay_b.run_once().await.unwrap();
     assert_eq!((rb.claimed, rb.published, rb.fenced), (2, 2, 0));
@@ -228,10 +228,11 @@ impl OutboxAdmin for StallComplete {
     }
 }
 
-async fn wait_until(mut cond: impl FnMut() -> bool) {
+/// Yield until `cond` holds; a panic naming `what` after [`LIMIT`].
+async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + LIMIT;
     while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "condition not reached within {LIMIT:?}");
+        assert!(tokio::time::Instant::now() < deadline, "{what}: not reached within {LIMIT:?}");
         tokio::task::yield_now().await;
     }
 }
@@ -378,7 +379,10 @@ async fn graceful_shutdown_finishes_the_publishes_in_flight_and_releases_the_bat
     });
     // The second batch reaches the broker while the first is still there, and a third is
     // claimed ahead; it waits for a place at the broker (depth 2), and no fourth is claimed.
-    wait_until(|| flaky.batches().len() >= 2 && relay.totals().claimed >= 3).await;
+    wait_until("two batches at the broker and a third claimed", || {
+        flaky.batches().len() >= 2 && relay.totals().claimed >= 3
+    })
+    .await;
     for _ in 0..100 {
         tokio::task::yield_now().await;
     }
@@ -570,7 +574,7 @@ async fn refused_credentials_release_the_row_without_parking_it() {
         let relay = relay.clone();
         async move { relay.run().await }
     });
-    wait_until(|| relay.totals().refused == 1).await;
+    wait_until("one batch refused", || relay.totals().refused == 1).await;
     stop.trigger();
     let totals = within("the relay stops", running).await.unwrap().unwrap();
     assert_eq!((totals.claimed, totals.refused, totals.published), (1, 1, 0), "one claim, then the idle wait");
@@ -721,7 +725,7 @@ async fn pipelined_batches_keep_fencing() {
         async move { relay_a.drain().await.unwrap() }
     });
     // Overlap: e2 (batch 2) is published while e1's completion (batch 1) has not happened.
-    wait_until(|| broker.log(&dest()).len() == 2).await;
+    wait_until("e1 and e2 published", || broker.log(&dest()).len() == 2).await;
     let rows = all_rows(&store).await.unwrap();
     assert!(rows.iter().all(|r| r.status == RowStatus::Leased && r.token == 1), "{rows:?}");
 
@@ -731,7 +735,7 @@ async fn pipelined_batches_keep_fencing() {
     assert_eq!((rb.claimed, rb.published, rb.fenced), (2, 2, 0));
 
     gate.notify_one();
-    wait_until(|| relay_a.totals().fenced == 1).await;
+    wait_until("A's completion fenced", || relay_a.totals().fenced == 1).await;
     gate.notify_one();
     let ra = within("relay A finishing", a).await.unwrap();
     assert_eq!((ra.claimed, ra.published, ra.fenced), (2, 0, 2), "{ra:?}");
@@ -758,7 +762,7 @@ async fn depth_one_claims_only_after_the_outcomes_are_recorded() {
         let relay = relay.clone();
         async move { relay.drain().await.unwrap() }
     });
-    wait_until(|| broker.log(&dest()).len() == 1).await;
+    wait_until("the first event published", || broker.log(&dest()).len() == 1).await;
     // Give a wrongly pipelined relay every chance to claim e2.
     for _ in 0..1000 {
         tokio::task::yield_now().await;
@@ -768,7 +772,7 @@ async fn depth_one_claims_only_after_the_outcomes_are_recorded() {
     assert_eq!(relay.totals().claimed, 1);
 
     gate.notify_one();
-    wait_until(|| broker.log(&dest()).len() == 2).await;
+    wait_until("the second event published", || broker.log(&dest()).len() == 2).await;
     assert_eq!(all_rows(&store).await.unwrap()[0].status, RowStatus::Published);
     gate.notify_one();
     let r = within("the drain finishing", task).await.unwrap();
@@ -887,7 +891,10 @@ async fn shutdown_with_batches_in_flight_loses_nothing() {
         let relay = relay.clone();
         async move { relay.run().await.unwrap() }
     });
-    wait_until(|| flaky.batches().len() >= 3 && relay.totals().claimed >= 8).await;
+    wait_until("three batches at the broker and eight rows claimed", || {
+        flaky.batches().len() >= 3 && relay.totals().claimed >= 8
+    })
+    .await;
     for _ in 0..100 {
         tokio::task::yield_now().await;
     }
@@ -1244,8 +1251,8 @@ async fn a_store_with_one_writer_gets_a_batch_claimed_ahead_while_the_broker_is_
 
     // Both places publishing (a batch of 2 publishes its keys' events at once), then the claim
     // ahead: the third claim.
-    within("two batches at the broker and a third claimed", async {
-        wait_until(|| gated.begun.load(SeqCst) == 4 && writer.claims.load(SeqCst) == 3).await;
+    wait_until("two batches at the broker and a third claimed", || {
+        gated.begun.load(SeqCst) == 4 && writer.claims.load(SeqCst) == 3
     })
     .await;
     for _ in 0..64 {
@@ -1292,10 +1299,7 @@ async fn a_relay_without_a_depth_keeps_as_many_batches_at_the_broker_as_it_prefe
         let relay = Relay::new(Arc::new(store.clone()), gated.clone(), config);
         assert_eq!(relay.pipeline_depth(), depth, "{case}");
         let drain = tokio::spawn(async move { relay.drain().await });
-        within(&format!("{depth} publishes begun ({case})"), async {
-            wait_until(|| gated.begun.load(SeqCst) == depth).await;
-        })
-        .await;
+        wait_until(&format!("{depth} publishes begun ({case})"), || gated.begun.load(SeqCst) == depth).await;
         for _ in 0..64 {
             tokio::task::yield_now().await;
         }

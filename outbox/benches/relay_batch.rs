@@ -187,7 +187,7 @@ async fn main() {
          lease {LEASE:?}  pipeline depth {}  (no randomness: no seed)",
         config.redacted_url(),
         OWNER.len(),
-        outbox::DEFAULT_PIPELINE_DEPTH,
+        RelayConfig::default().pipeline_depth_for(&Instant0),
     );
 
     let mut raw_conn = PgConnection::connect_with(&config.connect_options().unwrap()).await.unwrap();

@@ -59,7 +59,7 @@ async fn main() {
         "outbox-store-sqlite bench: {EVENTS} events, enqueue in batches of {BATCH}, one relay (batch {}, \
          pipeline depth {}) into the in-memory broker; median of {ROUNDS} rounds; files in {}",
         RelayConfig::default().batch_size,
-        outbox_core::DEFAULT_PIPELINE_DEPTH,
+        RelayConfig::default().pipeline_depth_for(&MemoryBroker::new()),
         dir.path().display()
     );
     let mut rows: Vec<(String, Duration, Duration)> = Vec::new();

@@ -5,6 +5,7 @@
 //! operation); 2 a usage error (bad flag, bad duration, bad log filter); 3 a failed verdict
 //! (`demo`, `conformance`, `chaos`).
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -109,7 +110,8 @@ struct ConformanceArgs {
 }
 
 fn init_logging(cli: &Cli) -> Result<(), String> {
-    // The relay logs its batches at info; the one-shot commands only what went wrong.
+    // The relay logs its start, stop and a summary of its work at info; the one-shot commands
+    // only what went wrong.
     let default = match cli.command {
         Command::Relay(_) => "info",
         Command::Demo(_) | Command::Conformance(_) | Command::Bench(_) => "error",
@@ -120,7 +122,9 @@ fn init_logging(cli: &Cli) -> Result<(), String> {
     };
     let spec = cli.log.clone().unwrap_or_else(|| default.to_string());
     let filter = tracing_subscriber::EnvFilter::try_new(&spec).map_err(|e| format!("--log {spec:?}: {e}"))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| stderr::Log);
+    // Colours only for a person at a terminal: a file, a pipe or journald gets plain lines.
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(|| stderr::Log);
     match cli.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

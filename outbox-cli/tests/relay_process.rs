@@ -271,3 +271,53 @@ fn bad_urls_and_wrong_passwords_are_one_clear_line_without_the_secret() {
         assert!(!text(&out).1.contains("unexpected argument"), "{args:?}: {:?}", text(&out));
     }
 }
+
+/// Log lines written to a pipe or a file (journald, a log shipper) are plain text: no terminal
+/// colour codes around levels and field names.
+#[test]
+fn log_lines_to_a_pipe_carry_no_terminal_colour_codes() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite://{}/relay.db", dir.path().display());
+    let mut child = outbox()
+        .args(["relay", "--store", &sqlite, "--broker", "memory://", "--log", "info"])
+        .env_remove("NO_COLOR")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("outbox relay starts");
+    let stderr = child.stderr.take().expect("stderr piped");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !lines.iter().any(|l: &String| l.contains("relay started")) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => lines.push(line),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("no \"relay started\" line within 30s; stderr so far:\n{}", lines.join("\n"));
+            }
+        }
+    }
+    sigterm(&child);
+    let status = wait_status(&mut child, Duration::from_secs(30), "outbox relay after SIGTERM");
+    reader.join().expect("the stderr reader ends at EOF");
+    lines.extend(rx.try_iter());
+    let all = lines.join("\n");
+    assert!(status.success(), "{status}: {all}");
+    assert!(all.contains("relay stopped"), "the stop is logged: {all}");
+    assert!(!all.contains('\u{1b}'), "terminal escape codes in piped log lines: {all:?}");
+    // Plain `LEVEL target: message key=value` text, as a log shipper reads it.
+    let started = lines.iter().find(|l| l.contains("relay started")).expect("seen above");
+    assert!(started.contains(" INFO outbox.relay: relay started owner="), "{started}");
+}

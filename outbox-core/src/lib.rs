@@ -25,7 +25,7 @@ pub use config::{ConnectionUrl, HostPort, UrlSpec, env_url, redact};
 pub use error::{Error, ErrorKind, Result, Retry};
 pub use event::{ConsumerGroup, Destination, Event, EventId, Fingerprint, Headers};
 pub use inbox::{DeadLetter, DeadLetterReason, Inbox, InboxAdmin, LedgerState, MarkOutcome, Marker, VersionOutcome};
-pub use relay::{Backoff, BatchReport, DEFAULT_PIPELINE_DEPTH, Relay, RelayConfig, Shutdown};
+pub use relay::{Backoff, BatchReport, DEFAULT_PIPELINE_DEPTH, LOG_SUMMARY_EVERY, Relay, RelayConfig, Shutdown};
 pub use retention::{Cleanup, CleanupConfig, CleanupReport, MarkerPruning};
 pub use store::{
     Claimed, Completion, Lease, OutboxAdmin, OutboxRecord, OutboxStats, OutboxStore, Outcome, ParkedHead, ParkedRow,

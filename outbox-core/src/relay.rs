@@ -72,6 +72,17 @@
 //! released, logged as a warning), never published on a lease that may already be gone. With
 //! the defaults (30 s lease, depth 2, batches of 100) that takes a stall of 15 s.
 //!
+//! # Why a summary, not a line per batch, at `info`
+//!
+//! A relay that keeps up with a busy service settles a hundred batches a second or more (10,000
+//! events/s in batches of 100), and a line per batch at `info` was a hundred lines a second in
+//! the operator's log for the relay's routine work. So each batch is logged at `debug` ("batch
+//! done"), and at `info` a relay at work writes one line ("relayed": the counts of the batches
+//! settled since the line before) at most every [`LOG_SUMMARY_EVERY`], and when its work runs
+//! out ([`Relay::run`] going idle or stopping, the end of [`Relay::drain`]), so that a burst
+//! shorter than the interval is reported too. Warnings (fenced completions, a shrinking batch,
+//! parked rows) stay one line each, when they happen.
+//!
 //! # Why the batch shrinks
 //!
 //! A batch whose publish outlasts its lease is re-claimed by another relay before its
@@ -85,8 +96,8 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, Semaphore, SemaphorePermit, mpsc};
@@ -175,6 +186,10 @@ impl Backoff {
 /// Batches a relay keeps at the broker at once when neither its [`RelayConfig`] nor its broker
 /// ([`Broker::preferred_pipeline_depth`]) says otherwise.
 pub const DEFAULT_PIPELINE_DEPTH: usize = 2;
+
+/// At most how often a relay at work logs its summary line at `info` (see the
+/// [module docs](self), "Why a summary"); each batch is logged at `debug`.
+pub const LOG_SUMMARY_EVERY: Duration = Duration::from_secs(10);
 
 /// How a relay behaves. `Default` gives production values.
 ///
@@ -481,6 +496,44 @@ pub struct Relay {
     limit: AtomicUsize,
     rng: Mutex<SplitMix64>,
     shutdown: Shutdown,
+    /// Batches settled since the last summary line.
+    summary: Mutex<Summary>,
+}
+
+/// The counts of the batches settled since the last summary line, and when that line was.
+#[derive(Debug)]
+struct Summary {
+    since: Instant,
+    batches: u64,
+    report: BatchReport,
+}
+
+impl Summary {
+    fn new(now: Instant) -> Self {
+        Self { since: now, batches: 0, report: BatchReport::default() }
+    }
+
+    /// Count a batch settled at `now`; returns the line's counts (batches, their report, the
+    /// time they cover) when `every` has passed since the last line, and starts a new count.
+    fn add(&mut self, report: &BatchReport, now: Instant, every: Duration) -> Option<(u64, BatchReport, Duration)> {
+        self.batches += 1;
+        self.report.add(report);
+        if now.saturating_duration_since(self.since) < every {
+            return None;
+        }
+        self.take(now)
+    }
+
+    /// The counts so far, if any batch was settled since the last line; starts a new count.
+    fn take(&mut self, now: Instant) -> Option<(u64, BatchReport, Duration)> {
+        if self.batches == 0 {
+            return None;
+        }
+        let over = now.saturating_duration_since(self.since);
+        let out = (self.batches, std::mem::take(&mut self.report), over);
+        *self = Self::new(now);
+        Some(out)
+    }
 }
 
 /// How far one run of the pipeline goes.
@@ -573,6 +626,7 @@ impl Relay {
             limit: AtomicUsize::new(limit),
             rng: Mutex::new(SplitMix64::new(seed)),
             shutdown: Shutdown::default(),
+            summary: Mutex::new(Summary::new(Instant::now())),
         }
     }
 
@@ -642,9 +696,11 @@ impl Relay {
     /// # Errors
     /// A claim's store error, after the batches in flight are settled.
     pub async fn drain(&self) -> Result<BatchReport> {
-        match self.pipeline(Until::Idle, None).await {
-            (_, Stop::Failed(e)) => Err(e),
-            (report, _) => Ok(report),
+        let (report, stop) = self.pipeline(Until::Idle, None).await;
+        self.log_summary();
+        match stop {
+            Stop::Failed(e) => Err(e),
+            _ => Ok(report),
         }
     }
 
@@ -667,7 +723,11 @@ impl Relay {
         // Subscribe before the first claim, so nothing enqueued after it goes unnoticed.
         let mut wakeup = if self.config.wakeup { self.store.wakeup() } else { None };
         while !self.shutdown.is_triggered() {
-            let idle = match self.pipeline(Until::Idle, wakeup.as_mut()).await.1 {
+            let stop = self.pipeline(Until::Idle, wakeup.as_mut()).await.1;
+            // The work ran out (or stops): the batches since the last summary line are reported
+            // now, not with the next burst, however long the relay idles until then.
+            self.log_summary();
+            let idle = match stop {
                 Stop::Shutdown => break,
                 Stop::Idle => true,
                 // Refused credentials: claiming again at once would hammer the broker (and may
@@ -1081,7 +1141,7 @@ impl Relay {
             meter.increment(n);
         }
         m.batch_seconds.record(started.elapsed());
-        tracing::info!(
+        debug!(
             target: "outbox.relay",
             owner = %self.config.owner,
             claimed = report.claimed,
@@ -1092,6 +1152,36 @@ impl Relay {
             released = report.released,
             refused = report.refused,
             "batch done"
+        );
+        let due =
+            self.summary.lock().unwrap_or_else(PoisonError::into_inner).add(report, Instant::now(), LOG_SUMMARY_EVERY);
+        if let Some(line) = due {
+            self.summary_line(line);
+        }
+    }
+
+    /// Log the batches settled since the last summary line, if any.
+    fn log_summary(&self) {
+        let line = self.summary.lock().unwrap_or_else(PoisonError::into_inner).take(Instant::now());
+        if let Some(line) = line {
+            self.summary_line(line);
+        }
+    }
+
+    fn summary_line(&self, (batches, r, over): (u64, BatchReport, Duration)) {
+        tracing::info!(
+            target: "outbox.relay",
+            owner = %self.config.owner,
+            batches,
+            claimed = r.claimed,
+            published = r.published,
+            fenced = r.fenced,
+            retried = r.retried,
+            parked = r.parked,
+            released = r.released,
+            refused = r.refused,
+            over = ?over,
+            "relayed"
         );
     }
 
@@ -1172,6 +1262,28 @@ const OWNER: &str = "owner";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_summary_counts_batches_until_its_interval_has_passed_then_starts_again() {
+        let t0 = Instant::now();
+        let every = Duration::from_secs(10);
+        let batch =
+            |published| BatchReport { claimed: 100, published, fenced: 100 - published, ..BatchReport::default() };
+        let mut s = Summary::new(t0);
+        assert_eq!(s.take(t0 + every), None, "no batch, no line");
+        assert_eq!(s.add(&batch(100), t0 + Duration::from_secs(1), every), None);
+        assert_eq!(s.add(&batch(90), t0 + Duration::from_secs(9), every), None);
+        let (batches, r, over) = s.add(&batch(80), t0 + every, every).expect("the interval has passed");
+        assert_eq!((batches, r.claimed, r.published, r.fenced, over), (3, 300, 270, 30, every));
+        // Counting starts again from that line.
+        assert_eq!(s.add(&batch(100), t0 + every + Duration::from_secs(9), every), None);
+        let (batches, r, over) = s.take(t0 + every + Duration::from_secs(9)).expect("one batch pending");
+        assert_eq!((batches, r.published, over), (1, 100, Duration::from_secs(9)));
+        assert_eq!(s.take(t0 + every * 5), None, "taken once");
+        // A batch after a long idle spell is reported at once.
+        let (batches, _, over) = s.add(&batch(100), t0 + every * 100, every).expect("long past the interval");
+        assert_eq!((batches, over), (1, every * 100 - (every + Duration::from_secs(9))));
+    }
 
     #[test]
     fn backoff_grows_and_caps() {

@@ -10,8 +10,8 @@ pub use outbox_consumer_inbox as consumer;
 pub use outbox_core as core;
 pub use outbox_core::{
     Broker, Clock, ConsumerGroup, DEFAULT_PIPELINE_DEPTH, DeadLetter, Destination, Error, ErrorKind, Event, EventId,
-    Inbox, InboxAdmin, OutboxAdmin, OutboxStats, OutboxStore, Relay, RelayConfig, Result, Retry, RowId, RowSnapshot,
-    RowStatus, Shutdown,
+    Inbox, InboxAdmin, LOG_SUMMARY_EVERY, OutboxAdmin, OutboxStats, OutboxStore, Relay, RelayConfig, Result, Retry,
+    RowId, RowSnapshot, RowStatus, Shutdown,
 };
 
 #[cfg(feature = "kafka")]

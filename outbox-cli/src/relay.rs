@@ -184,6 +184,7 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
         retried = totals.retried,
         parked = totals.parked,
         released = totals.released,
+        refused = totals.refused,
         "relay stopped"
     );
     Ok(())

@@ -1076,8 +1076,8 @@ impl Relay {
         match task.join().await {
             Ok(results) => results,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            // Aborted only by `AbortOnDrop`, which runs when nothing awaits it any more; answered
-            // anyway, so that no path assumes it cannot happen.
+            // Cancelled: the runtime is shutting down (`AbortOnDrop` aborts only once nothing
+            // awaits the task). The rows are answered as not sent; their leases expire.
             Err(e) => {
                 let error =
                     Error::transient(ErrorKind::Closed, self.broker.backend(), format!("publish task ended: {e}"));
@@ -1192,7 +1192,8 @@ impl Relay {
             total.fetch_add(n, Ordering::Relaxed);
             meter.increment(n);
         }
-        m.batch_seconds.record(started.elapsed());
+        let now = Instant::now();
+        m.batch_seconds.record(now.saturating_duration_since(started));
         debug!(
             target: "outbox.relay",
             owner = %self.config.owner,
@@ -1205,8 +1206,7 @@ impl Relay {
             refused = report.refused,
             "batch done"
         );
-        let due =
-            self.summary.lock().unwrap_or_else(PoisonError::into_inner).add(report, Instant::now(), LOG_SUMMARY_EVERY);
+        let due = self.summary.lock().unwrap_or_else(PoisonError::into_inner).add(report, now, LOG_SUMMARY_EVERY);
         if let Some(line) = due {
             self.summary_line(line);
         }

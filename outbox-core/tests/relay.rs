@@ -1336,3 +1336,28 @@ async fn a_huge_pipeline_depth_is_clamped() {
     }
     assert_eq!(log_ids(&broker), ["e1", "e2", "e3", "e4", "e5"]);
 }
+
+/// A relay whose future is dropped while a batch is at the broker takes that publish with it
+/// (the relay runs each batch's publish on a task of its own, aborted with the relay's future):
+/// nothing reaches the broker after the relay is gone, and the row stays leased until its lease
+/// expires, as when the broker was called in place.
+#[tokio::test]
+async fn a_dropped_relay_takes_its_publish_in_flight_with_it() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (_clock, store, broker) = setup().await;
+    store.enqueue(&[event("e1")]).await.unwrap();
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let gated = Arc::new(Gated { inner: broker.clone(), open: gate, begun: Default::default(), prefers: None });
+    let relay = Relay::new(Arc::new(store.clone()), gated.clone(), config("dropped"));
+    let task = tokio::spawn(async move { relay.run_once().await });
+    wait_until("the publish begun", || gated.begun.load(SeqCst) == 1).await;
+    task.abort();
+    assert!(within("the relay's task ends", task).await.unwrap_err().is_cancelled());
+    open.send(true).unwrap();
+    for _ in 0..64 {
+        tokio::task::yield_now().await;
+    }
+    assert!(broker.log(&dest()).is_empty(), "a publish went on after its relay was dropped");
+    let rows = all_rows(&store).await.unwrap();
+    assert_eq!((rows[0].status, rows[0].token), (RowStatus::Leased, 1), "{rows:?}");
+}

@@ -364,6 +364,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_complete_many_takes_rows_of_several_batches",
+            class: "OutboxStore::complete_many",
+            property: "one call with the rows of fifteen claims of 100 (1,500 rows, each batch its own \
+                       token) publishes every row on its own lease, as a relay settling several \
+                       batches together passes them",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_transitions_are_token_conditional",
             class: "OutboxStore::fail/park/extend/release",
             property: "a stale token changes nothing",
@@ -790,6 +799,7 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "broker_publish_batch_empty_is_empty" => crate::batch_cases::empty_is_empty(harness).await,
             "store_concurrent_claims_never_share_a_row" => store_concurrent_claims(harness).await,
             "store_complete_many_answers_each_row_as_complete_would" => store_complete_many(harness).await,
+            "store_complete_many_takes_rows_of_several_batches" => store_complete_many_batches(harness).await,
             "relay_transient_failure_is_retried_not_completed" => relay_transient_failure(harness, engines).await,
             "relay_refused_credentials_release_the_row" => relay_refused_credentials(harness, engines).await,
             "relay_one_key_is_published_one_at_a_time_in_row_order" => relay_key_order(harness, engines).await,
@@ -1862,6 +1872,49 @@ pub(crate) fn key_order_broken(events: &[Event], received: &[Event]) -> Option<(
         }
     }
     None
+}
+
+async fn store_complete_many_batches<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_complete_many_takes_rows_of_several_batches";
+    const BATCHES: usize = 15;
+    const BATCH: usize = 100;
+    let (fx, _clock, _) = store_fixture(h, CASE, BATCHES * BATCH).await?;
+    let mut claimed = Vec::with_capacity(BATCHES * BATCH);
+    for i in 0..BATCHES {
+        let batch = fx.store.claim("relay-A", BATCH, LEASE).await?;
+        ensure!(CASE, batch.len() == BATCH, "claim {i} returned {} of {BATCH} rows", batch.len());
+        claimed.extend(batch);
+    }
+    let input: Vec<(i64, Lease)> = claimed.iter().map(|c| (c.record.row_id, c.lease.clone())).collect();
+    let answers = fx.store.complete_many(&input).await?;
+    ensure!(
+        CASE,
+        answers.len() == input.len(),
+        "complete_many answered {} results for {} rows",
+        answers.len(),
+        input.len()
+    );
+    let fenced: Vec<usize> = (0..answers.len()).filter(|i| answers[*i] != Completion::Published).collect();
+    ensure!(
+        CASE,
+        fenced.is_empty(),
+        "{} of {} rows answered fenced under their own leases, the first at position {:?}",
+        fenced.len(),
+        answers.len(),
+        fenced.first()
+    );
+    let rows = all_rows(fx.store.as_ref()).await?;
+    ensure!(CASE, rows.len() == claimed.len(), "{} rows read back, {} claimed", rows.len(), claimed.len());
+    for (r, c) in rows.iter().zip(&claimed) {
+        ensure!(
+            CASE,
+            r.status == RowStatus::Published && r.published_token == Some(c.lease.token),
+            "after complete_many the row claimed with token {} is {}",
+            c.lease.token,
+            describe(r)
+        );
+    }
+    Ok(CaseResult::Passed(format!("{} rows of {BATCHES} claims published by one call", input.len())))
 }
 
 async fn store_complete_many<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {

@@ -91,6 +91,10 @@ pub enum Mutant {
     /// `complete_many` that checks the lease of the first row only; the others complete under
     /// whatever lease they have now.
     CompleteManyChecksFirstRowOnly,
+    /// `complete_many` that completes the first 1,000 rows of a call and answers the rest
+    /// fenced, changing nothing (a store whose statement holds a bounded number of rows and
+    /// drops what is past it): a relay settling several batches together passes more.
+    CompleteManyStopsAtAThousandRows,
     /// A broker that accepts a publish to a destination no group is bound to and drops it (an
     /// AMQP publisher without `mandatory`).
     DropsUnboundPublishes,
@@ -136,7 +140,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 35] = [
+    pub const ALL: [Mutant; 36] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -156,6 +160,7 @@ impl Mutant {
         Mutant::ProcessLocalDedupe,
         Mutant::BeginMarkedIgnoresDuplicate,
         Mutant::CompleteManyChecksFirstRowOnly,
+        Mutant::CompleteManyStopsAtAThousandRows,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
         Mutant::BatchReversesOrder,
@@ -244,6 +249,9 @@ impl fmt::Display for Mutant {
             Self::ProcessLocalDedupe => "dedupe in a process-local set",
             Self::BeginMarkedIgnoresDuplicate => "begin_marked that reports New for a marker already there",
             Self::CompleteManyChecksFirstRowOnly => "complete_many that checks only the first row's lease",
+            Self::CompleteManyStopsAtAThousandRows => {
+                "complete_many that drops the rows past the first 1,000 of a call"
+            }
             Self::DropsUnboundPublishes => "publish without mandatory: unbound destinations drop messages",
             Self::JoinedQueueNames => "queue names joined with '.' (destination and group names collide)",
             Self::BatchReversesOrder => "publish_batch that sends a batch in reverse order",
@@ -507,7 +515,9 @@ impl OutboxStore for MutantStore {
     async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
         let mut out = Vec::with_capacity(rows.len());
         for (i, (row, lease)) in rows.iter().enumerate() {
-            out.push(if self.mode == Mutant::CompleteManyChecksFirstRowOnly && i > 0 {
+            out.push(if self.mode == Mutant::CompleteManyStopsAtAThousandRows && i >= 1_000 {
+                Completion::Fenced
+            } else if self.mode == Mutant::CompleteManyChecksFirstRowOnly && i > 0 {
                 // "The batch's lease was checked": the rest complete under their current lease.
                 match self.current_lease(*row, None).await? {
                     Some(current) => self.inner.complete(*row, &current).await?,

@@ -58,7 +58,8 @@
 //! ends several batches' publishes at once, and they queued for the completion stage, one
 //! `complete_many` (one statement and commit) each. The completion stage now takes every batch
 //! whose publish has ended by the time it is free and completes their accepted rows in one
-//! [`OutboxStore::complete_many`]; it never waits for a batch to join. Each row is still
+//! [`OutboxStore::complete_many`] (up to 1,000 rows; a batch with more is completed alone); it
+//! never waits for a batch to join. Each row is still
 //! completed on its own lease's token, and each batch keeps its own report, failures and
 //! releases. Measured with `outbox bench --only P2 --seed 7` (RabbitMQ at depth 8), a switchable
 //! build alternating nine times: 221–257 completion calls per 50,000 events against 501–504,
@@ -608,6 +609,11 @@ struct Batch {
     started: Instant,
 }
 
+/// The most accepted rows the completion stage completes in one call when it settles several
+/// batches together (module docs, "Why completions are settled together"); a batch with more
+/// is completed alone.
+const ROWS_COMPLETED_TOGETHER: usize = 1_000;
+
 /// A row whose publish failed, for [`Relay::on_failure`].
 struct FailedRow {
     row: RowId,
@@ -931,13 +937,25 @@ impl Relay {
         // settled together").
         let settle_stage = async move {
             let mut total = BatchReport::default();
-            while let Some(first) = decided.recv().await {
+            // A batch taken from the queue that would have made the call too big: the next.
+            let mut carried = None;
+            loop {
+                let first = match carried.take() {
+                    Some(first) => first,
+                    None => match decided.recv().await {
+                        Some(first) => first,
+                        None => break,
+                    },
+                };
+                let mut rows = first.0.sent.len();
                 let mut ready = vec![first];
-                while ready.len() < in_flight {
-                    match decided.try_recv() {
-                        Ok(next) => ready.push(next),
-                        Err(_) => break,
+                while let Ok(next) = decided.try_recv() {
+                    if rows + next.0.sent.len() > ROWS_COMPLETED_TOGETHER {
+                        carried = Some(next);
+                        break;
                     }
+                    rows += next.0.sent.len();
+                    ready.push(next);
                 }
                 let (ds, slots): (Vec<_>, Vec<_>) = ready.into_iter().unzip();
                 for report in self.settle(ds).await {

@@ -273,7 +273,9 @@ pub trait OutboxStore: Send + Sync {
     /// Complete several rows; the default calls [`complete`](OutboxStore::complete) for each.
     ///
     /// # Behavior
-    /// - the result has one entry per input, in order, each as `complete` would return it.
+    /// - the result has one entry per input, in order, each as `complete` would return it;
+    /// - takes rows of several batches, each with its own lease, in one call (a relay completes
+    ///   every batch whose publish has ended together, up to 1,000 rows or one batch if larger).
     async fn complete_many(&self, rows: &[(RowId, Lease)]) -> Result<Vec<Completion>> {
         let mut out = Vec::with_capacity(rows.len());
         for (row, lease) in rows {

@@ -1417,3 +1417,51 @@ async fn batches_published_during_a_completion_are_completed_in_one_call() {
     ids.sort_by_key(|id| id[1..].parse::<usize>().unwrap());
     assert_eq!(ids, (1..=10).map(|i| format!("e{i}")).collect::<Vec<_>>(), "each once");
 }
+
+/// Completions settled together stay within 1,000 rows a call: batches of 400 (five in the
+/// pipeline at depth 2) published while the first completion waits are completed two at a time
+/// at most, never three (1,200 rows).
+#[tokio::test]
+async fn completions_settled_together_stay_within_a_thousand_rows() {
+    let (_clock, store, broker) = setup().await;
+    let events: Vec<Event> = (1..=2000).map(|i| event(&format!("e{i}"))).collect();
+    store.enqueue(&events).await.unwrap();
+    let gate = Arc::new(Notify::new());
+    let stalled = Arc::new(StallComplete::new(store.clone(), gate.clone()));
+    let relay = Arc::new(Relay::new(
+        stalled.clone(),
+        Arc::new(broker.clone()),
+        config("r").with_batch_size(400).with_pipeline_depth(2),
+    ));
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.drain().await.unwrap() }
+    });
+    wait_until("five batches published while the first completion waits", || log_ids(&broker).len() == 2000).await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    // Each call waits for its own opening of the gate: open it until the relay is done.
+    let opener = tokio::spawn({
+        let (gate, stalled) = (gate.clone(), stalled.clone());
+        async move {
+            let mut seen = 0;
+            loop {
+                gate.notify_one();
+                wait_until("the next completion", || stalled.completions.lock().unwrap().len() > seen).await;
+                seen += 1;
+            }
+        }
+    });
+    let totals = within("the relay draining", running).await.unwrap();
+    opener.abort();
+    let calls = stalled.completions.lock().unwrap().clone();
+    assert_eq!(calls.iter().sum::<usize>(), 2000, "every row completed once: {calls:?}");
+    assert!(calls.iter().all(|n| *n <= 1000), "a call of more than 1,000 rows: {calls:?}");
+    assert!(calls.contains(&800), "two batches of 400 completed together: {calls:?}");
+    assert_eq!((totals.claimed, totals.published, totals.fenced), (2000, 2000, 0), "{totals:?}");
+    for r in all_rows(&store).await.unwrap() {
+        assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{r:?}");
+    }
+    assert_eq!(log_ids(&broker).len(), 2000, "each once");
+}

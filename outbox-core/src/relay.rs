@@ -1136,12 +1136,20 @@ impl Relay {
     async fn settle(&self, ds: Vec<Decided>) -> Vec<BatchReport> {
         let mut reports: Vec<BatchReport> =
             ds.iter().map(|d| BatchReport { claimed: d.claimed, ..BatchReport::default() }).collect();
-        let sent: Vec<(RowId, Lease)> = ds.iter().flat_map(|d| d.sent.iter().cloned()).collect();
+        // One batch (the usual case): its rows as they are, no copy of the leases.
+        let merged: Vec<(RowId, Lease)>;
+        let sent: &[(RowId, Lease)] = match ds.as_slice() {
+            [d] => &d.sent,
+            _ => {
+                merged = ds.iter().flat_map(|d| d.sent.iter().cloned()).collect();
+                &merged
+            }
+        };
         if !sent.is_empty() {
             // The completion runs in the span of the first batch it completes.
             let span = ds.iter().find(|d| !d.sent.is_empty()).map_or_else(Span::none, |d| d.span.clone());
             let t = Instant::now();
-            let completed = self.store.complete_many(&sent).instrument(span.clone()).await;
+            let completed = self.store.complete_many(sent).instrument(span.clone()).await;
             self.meters.complete_seconds.record(t.elapsed());
             match completed {
                 Ok(outcomes) => {

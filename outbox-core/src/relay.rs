@@ -1179,23 +1179,17 @@ impl Relay {
                 for f in failed {
                     self.on_failure(f, report).await;
                 }
-                // Refused credentials: not the row's fault. Release without counting an attempt;
-                // an operator fixes the credentials.
-                for (row, lease) in refused {
-                    match self.store.release(row, &lease).await {
-                        Ok(Outcome::Applied) => report.refused += 1,
-                        Ok(Outcome::Fenced) => self.fenced(&lease, row, "release", report),
-                        Err(e) => {
-                            warn!(target: "outbox.relay", row, error = %e, "release failed; the lease will expire")
-                        }
-                    }
-                }
-                for (row, lease) in released {
-                    match self.store.release(row, &lease).await {
-                        Ok(Outcome::Applied) => report.released += 1,
-                        Ok(Outcome::Fenced) => self.fenced(&lease, row, "release", report),
-                        Err(e) => {
-                            warn!(target: "outbox.relay", row, error = %e, "release failed; the lease will expire")
+                // Refused credentials are not the row's fault: released without counting an
+                // attempt, counted as refused; an operator fixes the credentials.
+                for (rows, refused) in [(refused, true), (released, false)] {
+                    for (row, lease) in rows {
+                        match self.store.release(row, &lease).await {
+                            Ok(Outcome::Applied) if refused => report.refused += 1,
+                            Ok(Outcome::Applied) => report.released += 1,
+                            Ok(Outcome::Fenced) => self.fenced(&lease, row, "release", report),
+                            Err(e) => {
+                                warn!(target: "outbox.relay", row, error = %e, "release failed; the lease will expire")
+                            }
                         }
                     }
                 }

@@ -9,8 +9,8 @@ use async_trait::async_trait;
 use outbox_core::memory::{MemoryBroker, MemoryOutbox};
 use outbox_core::store::all_rows;
 use outbox_core::{
-    Backoff, Broker, Clock, Completion, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId, ManualClock,
-    OutboxAdmin, OutboxStore, Relay, RelayConfig, Retry, RowStatus, Subscription,
+    Backoff, BatchReport, Broker, Clock, Completion, ConsumerGroup, Destination, Error, ErrorKind, Event, EventId,
+    ManualClock, OutboxAdmin, OutboxStore, Relay, RelayConfig, Retry, RowStatus, Subscription,
 };
 use tokio::sync::Notify;
 
@@ -1374,32 +1374,52 @@ async fn a_dropped_relay_takes_its_publish_in_flight_with_it() {
     assert_eq!((rows[0].status, rows[0].token), (RowStatus::Leased, 1), "{rows:?}");
 }
 
-/// Batches whose publishes ended while a completion ran are completed together, in one
-/// `complete_many`: the first completion waits at a gate while the rest of the pipeline's five
-/// batches (depth 2: 2 × 2 + 1 between claim and outcome) are published; they are completed in
-/// one call after it.
-#[tokio::test]
-async fn batches_published_during_a_completion_are_completed_in_one_call() {
+/// A relay at depth 2 (five batches between claim and outcome) over `n` rows in batches of
+/// `batch`, whose first completion waits at the returned gate until every row has been
+/// published and the publish stage has handed the decided batches on: each `complete_many`
+/// waits for its own opening of the gate.
+async fn published_behind_a_waiting_completion(
+    n: usize,
+    batch: usize,
+) -> (MemoryOutbox, MemoryBroker, Arc<Notify>, Arc<StallComplete>, tokio::task::JoinHandle<BatchReport>) {
     let (_clock, store, broker) = setup().await;
-    let events: Vec<Event> = (1..=10).map(|i| event(&format!("e{i}"))).collect();
+    let events: Vec<Event> = (1..=n).map(|i| event(&format!("e{i}"))).collect();
     store.enqueue(&events).await.unwrap();
     let gate = Arc::new(Notify::new());
     let stalled = Arc::new(StallComplete::new(store.clone(), gate.clone()));
-    let relay = Arc::new(Relay::new(
+    let relay = Relay::new(
         stalled.clone(),
         Arc::new(broker.clone()),
-        config("r").with_batch_size(2).with_pipeline_depth(2),
-    ));
-    let running = tokio::spawn({
-        let relay = relay.clone();
-        async move { relay.drain().await.unwrap() }
-    });
-    wait_until("five batches published while the first completion waits", || log_ids(&broker).len() == 10).await;
-    // Let the publish stage hand the four decided batches to the completion stage.
+        config("r").with_batch_size(batch).with_pipeline_depth(2),
+    );
+    let running = tokio::spawn(async move { relay.drain().await.unwrap() });
+    wait_until("every batch published while the first completion waits", || log_ids(&broker).len() == n).await;
+    // Let the publish stage hand the decided batches to the completion stage.
     for _ in 0..100 {
         tokio::task::yield_now().await;
     }
     assert!(stalled.completions.lock().unwrap().is_empty(), "the first completion waits at the gate");
+    (store, broker, gate, stalled, running)
+}
+
+/// Every row Published by the claim's token (1), and on the broker once.
+async fn published_once_each(store: &MemoryOutbox, broker: &MemoryBroker, n: usize) {
+    let rows = all_rows(store).await.unwrap();
+    assert_eq!(rows.len(), n);
+    for r in &rows {
+        assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{r:?}");
+    }
+    let mut ids = log_ids(broker);
+    ids.sort_by_key(|id| id[1..].parse::<usize>().unwrap());
+    assert_eq!(ids, (1..=n).map(|i| format!("e{i}")).collect::<Vec<_>>(), "each once");
+}
+
+/// Batches whose publishes ended while a completion ran are completed together, in one
+/// `complete_many`: the first completion waits at a gate while the rest of the pipeline's five
+/// batches are published; they are completed in one call after it.
+#[tokio::test]
+async fn batches_published_during_a_completion_are_completed_in_one_call() {
+    let (store, broker, gate, stalled, running) = published_behind_a_waiting_completion(10, 2).await;
     gate.notify_one();
     wait_until("the first completion", || stalled.completions.lock().unwrap().len() == 1).await;
     gate.notify_one();
@@ -1407,15 +1427,7 @@ async fn batches_published_during_a_completion_are_completed_in_one_call() {
     let calls = stalled.completions.lock().unwrap().clone();
     assert_eq!((calls.len(), calls.iter().sum::<usize>()), (2, 10), "two calls for five batches: {calls:?}");
     assert_eq!((totals.claimed, totals.published, totals.fenced), (10, 10, 0), "{totals:?}");
-
-    let rows = all_rows(&store).await.unwrap();
-    assert_eq!(rows.len(), 10);
-    for r in &rows {
-        assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{r:?}");
-    }
-    let mut ids = log_ids(&broker);
-    ids.sort_by_key(|id| id[1..].parse::<usize>().unwrap());
-    assert_eq!(ids, (1..=10).map(|i| format!("e{i}")).collect::<Vec<_>>(), "each once");
+    published_once_each(&store, &broker, 10).await;
 }
 
 /// Completions settled together stay within 1,000 rows a call: batches of 400 (five in the
@@ -1423,24 +1435,7 @@ async fn batches_published_during_a_completion_are_completed_in_one_call() {
 /// at most, never three (1,200 rows).
 #[tokio::test]
 async fn completions_settled_together_stay_within_a_thousand_rows() {
-    let (_clock, store, broker) = setup().await;
-    let events: Vec<Event> = (1..=2000).map(|i| event(&format!("e{i}"))).collect();
-    store.enqueue(&events).await.unwrap();
-    let gate = Arc::new(Notify::new());
-    let stalled = Arc::new(StallComplete::new(store.clone(), gate.clone()));
-    let relay = Arc::new(Relay::new(
-        stalled.clone(),
-        Arc::new(broker.clone()),
-        config("r").with_batch_size(400).with_pipeline_depth(2),
-    ));
-    let running = tokio::spawn({
-        let relay = relay.clone();
-        async move { relay.drain().await.unwrap() }
-    });
-    wait_until("five batches published while the first completion waits", || log_ids(&broker).len() == 2000).await;
-    for _ in 0..100 {
-        tokio::task::yield_now().await;
-    }
+    let (store, broker, gate, stalled, running) = published_behind_a_waiting_completion(2000, 400).await;
     // Each call waits for its own opening of the gate: open it until the relay is done.
     let opener = tokio::spawn({
         let (gate, stalled) = (gate.clone(), stalled.clone());
@@ -1460,8 +1455,5 @@ async fn completions_settled_together_stay_within_a_thousand_rows() {
     assert!(calls.iter().all(|n| *n <= 1000), "a call of more than 1,000 rows: {calls:?}");
     assert!(calls.contains(&800), "two batches of 400 completed together: {calls:?}");
     assert_eq!((totals.claimed, totals.published, totals.fenced), (2000, 2000, 0), "{totals:?}");
-    for r in all_rows(&store).await.unwrap() {
-        assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{r:?}");
-    }
-    assert_eq!(log_ids(&broker).len(), 2000, "each once");
+    published_once_each(&store, &broker, 2000).await;
 }

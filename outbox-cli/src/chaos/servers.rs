@@ -106,12 +106,52 @@ pub(crate) trait Server: Send + Sync {
     }
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released; the usual small race applies).
+/// The lowest port [`free_port`] hands out.
+const LOWEST_PORT: u32 = 10_000;
+
+/// A free TCP port on 127.0.0.1 for a server the runner starts, below the kernel's ephemeral
+/// range (bound and released, then left to the server).
+///
+/// Below the range, because a port the kernel picked for `bind(0)` is an ephemeral one, which
+/// the kernel also gives to outgoing connections: in a CI run full of clients, one took the
+/// port between its release and tansu's bind, and tansu exited (its listener's error unwrapped
+/// in a task) before it answered, failing the run. Ports below the range are never given out
+/// by the kernel; this process hands them out one after another from a random start, so two
+/// servers of one run never get the same one. Falls back to `bind(0)` where the range starts
+/// too low to leave room.
 pub(crate) fn free_port() -> Result<u16, String> {
+    use std::sync::OnceLock;
+    use std::sync::atomic::AtomicU32;
+    static START: OnceLock<u32> = OnceLock::new();
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let high = ephemeral_low().unwrap_or(32_768);
+    if high > LOWEST_PORT + 1_000 {
+        let span = high - LOWEST_PORT;
+        let start = *START.get_or_init(|| {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            (h.finish() % u64::from(span)) as u32
+        });
+        for _ in 0..1_000 {
+            let port = LOWEST_PORT + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+            let port = u16::try_from(port).map_err(|_| format!("port {port} out of range"))?;
+            if StdListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     StdListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .map_err(|e| format!("cannot find a free port on 127.0.0.1: {e}"))
+}
+
+/// The first port of the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`);
+/// `None` where it cannot be read.
+fn ephemeral_low() -> Option<u32> {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    range.split_whitespace().next()?.parse().ok()
 }
 
 fn loopback(port: u16) -> SocketAddr {
@@ -137,8 +177,10 @@ fn find_binary(name: &str, service: &str, extra: &[PathBuf]) -> Result<PathBuf, 
 
 /// The last lines of a log file, for error messages.
 fn log_tail(path: &Path) -> String {
+    // A panic's message sits above its backtrace, which alone can fill the last lines.
+    let panic = last_panic_in_log(path).map(|p| format!("last panic in the log: {p}\n")).unwrap_or_default();
     match log_lines(path, 15, |_| true) {
-        Ok(lines) => format!("last lines of {}:\n{}", path.display(), lines.join("\n")),
+        Ok(lines) => format!("{panic}last lines of {}:\n{}", path.display(), lines.join("\n")),
         Err(_) => format!("(no log at {})", path.display()),
     }
 }
@@ -165,6 +207,15 @@ fn panic_in_log(path: &Path, from: u64) -> Option<String> {
     let at = lines.by_ref().find(|l| l.contains("panicked at"))?;
     let message = lines.next().unwrap_or_default();
     Some(format!("{}: {}", strip_ansi(at).trim(), strip_ansi(message).trim()))
+}
+
+/// The last Rust panic in `path`, as [`panic_in_log`] writes it; `None` when there is none.
+fn last_panic_in_log(path: &Path) -> Option<String> {
+    let text = String::from_utf8_lossy(&std::fs::read(path).ok()?).into_owned();
+    let lines: Vec<&str> = text.lines().collect();
+    let at = lines.iter().rposition(|l| l.contains("panicked at"))?;
+    let message = lines.get(at + 1).copied().unwrap_or_default();
+    Some(format!("{}: {}", strip_ansi(lines[at]).trim(), strip_ansi(message).trim()))
 }
 
 /// `line` without terminal colours (ANSI escapes: ESC `[` … letter), as the workers' and the
@@ -299,6 +350,14 @@ impl Probe {
     }
 }
 
+/// What a start's error says when the process exited before it answered its probe.
+const EXITED_EARLY: &str = "before it answered";
+
+/// Starts of tansu tried before its error is the run's: one that exits before it answers (its
+/// listener's error unwrapped in a task, e.g. a port taken between [`free_port`] and its bind)
+/// is tried again on another port.
+const TANSU_STARTS: usize = 3;
+
 /// Probe until the server answers, `limit` passes, or `exited` reports the process died.
 async fn wait_ready(
     name: &str,
@@ -315,7 +374,7 @@ async fn wait_ready(
             Err(e) => e,
         };
         if let Some(status) = exited() {
-            return Err(format!("{name} on {addr} exited ({status}) before it answered: {last}\n{}", log_tail(log)));
+            return Err(format!("{name} on {addr} exited ({status}) {EXITED_EARLY}: {last}\n{}", log_tail(log)));
         }
         if Instant::now() >= deadline {
             return Err(format!("{name} on {addr} did not answer within {limit:?}: {last}\n{}", log_tail(log)));
@@ -541,6 +600,20 @@ impl TansuNode {
         if !advertised.ip().is_loopback() {
             return Err(format!("tansu: advertised address {advertised} is not a loopback address"));
         }
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(advertised).await {
+                Err(e) if attempt < TANSU_STARTS && e.contains(EXITED_EARLY) => {
+                    eprintln!("chaos: tansu start {attempt} of {TANSU_STARTS} failed, trying another port: {e}");
+                    attempt += 1;
+                }
+                started => return started,
+            }
+        }
+    }
+
+    /// One start of tansu on a free port, in a new directory.
+    async fn start_once(advertised: SocketAddr) -> Result<TansuNode, String> {
         let program = Self::binary()?;
         let dir = temp_dir("tansu")?;
         let port = free_port()?;
@@ -1002,6 +1075,47 @@ mod tests {
             )
         );
         assert_eq!(panic_in_log(&dir.path().join("none.log"), 0), None);
+    }
+
+    /// Ports for the runner's servers: below the kernel's ephemeral range (where no outgoing
+    /// connection can take one between the check and the server's bind), and never the same
+    /// twice in one process.
+    #[test]
+    fn free_ports_are_below_the_ephemeral_range_and_never_repeat() {
+        let high = ephemeral_low().expect("Linux names its ephemeral range");
+        let ports: Vec<u16> = (0..50).map(|_| free_port().unwrap()).collect();
+        let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len(), "a port handed out twice: {ports:?}");
+        for port in ports {
+            assert!(u32::from(port) >= LOWEST_PORT && u32::from(port) < high, "{port} outside [{LOWEST_PORT}, {high})");
+        }
+    }
+
+    /// A server that panics at its start (tansu unwraps its listener's error in a task) prints a
+    /// backtrace that fills the last lines of its log: the start's error names the panic.
+    #[test]
+    fn a_start_error_names_the_panic_above_its_backtrace() {
+        let dir = temp_dir("panic-tail").unwrap();
+        let log = dir.path().join("kafka.log");
+        let mut text = String::from(
+            "thread 'tokio-rt-worker' panicked at tansu-broker-0.6.0/src/broker.rs:137:18:\n\
+             called `Result::unwrap()` on an `Err` value: Io(Os { code: 98, kind: AddrInUse })\nstack backtrace:\n",
+        );
+        for i in 0..30 {
+            text.push_str(&format!("  {i}: frame\n"));
+        }
+        std::fs::write(&log, text).unwrap();
+        let tail = log_tail(&log);
+        assert!(
+            tail.starts_with(
+                "last panic in the log: thread 'tokio-rt-worker' panicked at tansu-broker-0.6.0/src/broker.rs:137:18:: \
+                 called `Result::unwrap()` on an `Err` value: Io(Os { code: 98, kind: AddrInUse })\nlast lines of"
+            ),
+            "{tail}"
+        );
+        assert!(tail.ends_with("29: frame"), "{tail}");
+        std::fs::write(&log, "ready\n").unwrap();
+        assert!(log_tail(&log).starts_with("last lines of"), "no panic, no panic line");
     }
 
     /// A reply of a Redis command, flattened to text (`+OK`, `:3`, `$id`, `*2[...]`).

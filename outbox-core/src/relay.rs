@@ -65,7 +65,8 @@
 //! build alternating nine times: 221–257 completion calls per 50,000 events against 501–504,
 //! relay 9.5k–10.5k events/s (mean 10.03k, ratio to the same run's raw publish mean 0.80)
 //! against 9.3k–10.5k (mean 9.88k, 0.77): fewer statements, throughput within the spread. With
-//! the instant broker (`--only P7`, three pairs) completions rarely queue; no change.
+//! the instant broker completions almost never queue (P7: at most two fewer completion calls
+//! than publishes per drain), so the change does not reach it (docs/bench.md).
 //!
 //! # One writer
 //!

@@ -127,11 +127,10 @@ pub(crate) fn free_port() -> Result<u16, String> {
     let high = ephemeral_low().unwrap_or(32_768);
     if high > LOWEST_PORT + 1_000 {
         let span = high - LOWEST_PORT;
+        // A randomly keyed hasher's output is a random number: no dependency for one.
         let start = *START.get_or_init(|| {
             use std::hash::{BuildHasher, Hasher};
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u32(std::process::id());
-            (h.finish() % u64::from(span)) as u32
+            (std::collections::hash_map::RandomState::new().build_hasher().finish() % u64::from(span)) as u32
         });
         for _ in 0..1_000 {
             let port = LOWEST_PORT + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
@@ -178,7 +177,9 @@ fn find_binary(name: &str, service: &str, extra: &[PathBuf]) -> Result<PathBuf, 
 /// The last lines of a log file, for error messages.
 fn log_tail(path: &Path) -> String {
     // A panic's message sits above its backtrace, which alone can fill the last lines.
-    let panic = last_panic_in_log(path).map(|p| format!("last panic in the log: {p}\n")).unwrap_or_default();
+    let panic = panic_in_log(path, last_start_in_log(path))
+        .map(|p| format!("panic since the last start: {p}\n"))
+        .unwrap_or_default();
     match log_lines(path, 15, |_| true) {
         Ok(lines) => format!("{panic}last lines of {}:\n{}", path.display(), lines.join("\n")),
         Err(_) => format!("(no log at {})", path.display()),
@@ -209,13 +210,12 @@ fn panic_in_log(path: &Path, from: u64) -> Option<String> {
     Some(format!("{}: {}", strip_ansi(at).trim(), strip_ansi(message).trim()))
 }
 
-/// The last Rust panic in `path`, as [`panic_in_log`] writes it; `None` when there is none.
-fn last_panic_in_log(path: &Path) -> Option<String> {
-    let text = String::from_utf8_lossy(&std::fs::read(path).ok()?).into_owned();
-    let lines: Vec<&str> = text.lines().collect();
-    let at = lines.iter().rposition(|l| l.contains("panicked at"))?;
-    let message = lines.get(at + 1).copied().unwrap_or_default();
-    Some(format!("{}: {}", strip_ansi(lines[at]).trim(), strip_ansi(message).trim()))
+/// The byte offset in the log at `path` where its process last started (after the runner's
+/// last start line; 0 without one), for [`panic_in_log`].
+fn last_start_in_log(path: &Path) -> u64 {
+    let text = std::fs::read(path).unwrap_or_default();
+    let marker = START_LINE.as_bytes();
+    text.windows(marker.len()).rposition(|w| w == marker).map_or(0, |at| at as u64)
 }
 
 /// `line` without terminal colours (ANSI escapes: ESC `[` … letter), as the workers' and the
@@ -350,6 +350,9 @@ impl Probe {
     }
 }
 
+/// How the runner's line before each start of a server in its log begins.
+const START_LINE: &str = "---- chaos runner: starting";
+
 /// What a start's error says when the process exited before it answered its probe.
 const EXITED_EARLY: &str = "before it answered";
 
@@ -441,7 +444,7 @@ impl OwnedProcess {
             .append(true)
             .open(&self.log)
             .map_err(|e| format!("{}: cannot open {}: {e}", self.name, self.log.display()))?;
-        let _ = writeln!(&log, "---- chaos runner: starting {} ----", self.name);
+        let _ = writeln!(&log, "{START_LINE} {} ----", self.name);
         self.log_start.store(log.metadata().map(|m| m.len()).unwrap_or(0), Ordering::SeqCst);
         let err = log.try_clone().map_err(|e| format!("{}: {e}", self.name))?;
         let child = Command::new(&self.launch.program)
@@ -1092,13 +1095,16 @@ mod tests {
     }
 
     /// A server that panics at its start (tansu unwraps its listener's error in a task) prints a
-    /// backtrace that fills the last lines of its log: the start's error names the panic.
+    /// backtrace that fills the last lines of its log: the start's error names the panic of that
+    /// start, not an earlier one's.
     #[test]
     fn a_start_error_names_the_panic_above_its_backtrace() {
         let dir = temp_dir("panic-tail").unwrap();
         let log = dir.path().join("kafka.log");
         let mut text = String::from(
-            "thread 'tokio-rt-worker' panicked at tansu-broker-0.6.0/src/broker.rs:137:18:\n\
+            "---- chaos runner: starting kafka ----\nthread 'x' panicked at old.rs:1:1:\nan earlier start's\n\
+             ---- chaos runner: starting kafka ----\n\
+             thread 'tokio-rt-worker' panicked at tansu-broker-0.6.0/src/broker.rs:137:18:\n\
              called `Result::unwrap()` on an `Err` value: Io(Os { code: 98, kind: AddrInUse })\nstack backtrace:\n",
         );
         for i in 0..30 {
@@ -1108,14 +1114,19 @@ mod tests {
         let tail = log_tail(&log);
         assert!(
             tail.starts_with(
-                "last panic in the log: thread 'tokio-rt-worker' panicked at tansu-broker-0.6.0/src/broker.rs:137:18:: \
+                "panic since the last start: thread 'tokio-rt-worker' panicked at tansu-broker-0.6.0/src/broker.rs:137:18:: \
                  called `Result::unwrap()` on an `Err` value: Io(Os { code: 98, kind: AddrInUse })\nlast lines of"
             ),
             "{tail}"
         );
         assert!(tail.ends_with("29: frame"), "{tail}");
-        std::fs::write(&log, "ready\n").unwrap();
-        assert!(log_tail(&log).starts_with("last lines of"), "no panic, no panic line");
+        std::fs::write(
+            &log,
+            "---- chaos runner: starting kafka ----\nthread 'x' panicked at old.rs:1:1:\nold\n\
+                              ---- chaos runner: starting kafka ----\nready\n",
+        )
+        .unwrap();
+        assert!(log_tail(&log).starts_with("last lines of"), "an earlier start's panic is not this start's");
     }
 
     /// A reply of a Redis command, flattened to text (`+OK`, `:3`, `$id`, `*2[...]`).

@@ -470,6 +470,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "relay_run_completes_every_row_of_batches_that_end_together",
+            class: "Relay::run",
+            property: "three batches of 1,500 rows at pipeline depth 2, completions lagging so that two wait \
+                       for the completion stage at once: every row ends published by the relay under its claim's \
+                       token (a relay bounding the rows of one completion completes the rest, never drops them)",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "relay_run_drains_a_backlog_back_to_back_while_completions_lag",
             class: "Relay::run",
             property: "run claims again as long as rows are due: a backlog of many batches at pipeline depth 2, \
@@ -807,6 +816,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
                 relay_lease_outlasted(harness, engines).await
             }
             "relay_shutdown_releases_unpublished_rows" => relay_shutdown_releases(harness, engines).await,
+            "relay_run_completes_every_row_of_batches_that_end_together" => {
+                crate::relay_cases::completes_every_row_of_batches_ending_together(harness, engines).await
+            }
             "relay_run_drains_a_backlog_back_to_back_while_completions_lag" => {
                 crate::relay_cases::run_drains_a_backlog_while_completions_lag(harness, engines).await
             }

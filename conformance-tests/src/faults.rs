@@ -150,6 +150,12 @@ impl Faulty {
         hold
     }
 
+    /// Publishes the wrapped broker accepted so far (the length of [`PublishLog::accepted`],
+    /// without copying the log).
+    pub fn accepted(&self) -> usize {
+        lock(&self.state.log).accepted.len()
+    }
+
     /// What happened so far.
     pub fn log(&self) -> PublishLog {
         lock(&self.state.log).clone()
@@ -356,6 +362,9 @@ pub struct LaggingCompletions {
     inner: Arc<dyn OutboxStore>,
     published: AtomicUsize,
     moved: Notify,
+    /// What the first completion waits for, and for how long at most, if anything.
+    hold_first: Option<(Box<dyn Fn() -> bool + Send + Sync>, Duration)>,
+    held: AtomicBool,
 }
 
 /// Yields before each completion: more than a [`Faulty`] publish takes, so that on an in-process
@@ -365,7 +374,23 @@ pub const LAG_YIELDS: usize = 4 * YIELDS;
 impl LaggingCompletions {
     /// Wrap `inner`.
     pub fn new(inner: Arc<dyn OutboxStore>) -> Self {
-        Self { inner, published: AtomicUsize::new(0), moved: Notify::new() }
+        Self {
+            inner,
+            published: AtomicUsize::new(0),
+            moved: Notify::new(),
+            hold_first: None,
+            held: AtomicBool::new(false),
+        }
+    }
+
+    /// The first completion also waits until `until` holds (checked between yields, for at most
+    /// `limit`; then it goes on, and the case judges what the relay did), so that batches
+    /// published meanwhile wait for the completion stage together. A relay that publishes
+    /// nothing more while a completion is pending (a serial one) only waits out `limit`.
+    #[must_use]
+    pub fn with_first_held_until(mut self, until: impl Fn() -> bool + Send + Sync + 'static, limit: Duration) -> Self {
+        self.hold_first = Some((Box::new(until), limit));
+        self
     }
 
     /// Rows completed as published so far.
@@ -389,6 +414,14 @@ impl LaggingCompletions {
     }
 
     async fn lag(&self) {
+        if let Some((until, limit)) = &self.hold_first
+            && !self.held.swap(true, Ordering::SeqCst)
+        {
+            let deadline = tokio::time::Instant::now() + *limit;
+            while !until() && tokio::time::Instant::now() < deadline {
+                tokio::task::yield_now().await;
+            }
+        }
         for _ in 0..LAG_YIELDS {
             tokio::task::yield_now().await;
         }

@@ -95,6 +95,9 @@ pub enum Mutant {
     /// fenced, changing nothing (a store whose statement holds a bounded number of rows and
     /// drops what is past it): a relay settling several batches together passes more.
     CompleteManyStopsAtAThousandRows,
+    /// A relay that completes at most 1,000 accepted rows of a batch and leaves the rest leased
+    /// (a bound on one completion call without a second call for the rest).
+    RelayCompletesAThousandRowsOfABatch,
     /// A broker that accepts a publish to a destination no group is bound to and drops it (an
     /// AMQP publisher without `mandatory`).
     DropsUnboundPublishes,
@@ -140,7 +143,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 36] = [
+    pub const ALL: [Mutant; 37] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -161,6 +164,7 @@ impl Mutant {
         Mutant::BeginMarkedIgnoresDuplicate,
         Mutant::CompleteManyChecksFirstRowOnly,
         Mutant::CompleteManyStopsAtAThousandRows,
+        Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
         Mutant::BatchReversesOrder,
@@ -197,7 +201,8 @@ impl Mutant {
             | Self::RelayKeepsLeasesOnShutdown
             | Self::RelayParksOnRefusedCredentials
             | Self::RelayKeepsBatchSizeAfterLeaseLost
-            | Self::RelayStallsAfterAFullBatch => relay(self),
+            | Self::RelayStallsAfterAFullBatch
+            | Self::RelayCompletesAThousandRowsOfABatch => relay(self),
             Self::AckThenCommit => {
                 Engines::default().with_consumer(format!("mutant consumer: {self}"), ConsumerRuntime::AckThenCommit)
             }
@@ -251,6 +256,9 @@ impl fmt::Display for Mutant {
             Self::CompleteManyChecksFirstRowOnly => "complete_many that checks only the first row's lease",
             Self::CompleteManyStopsAtAThousandRows => {
                 "complete_many that drops the rows past the first 1,000 of a call"
+            }
+            Self::RelayCompletesAThousandRowsOfABatch => {
+                "relay that completes 1,000 accepted rows of a batch and leaves the rest leased"
             }
             Self::DropsUnboundPublishes => "publish without mandatory: unbound destinations drop messages",
             Self::JoinedQueueNames => "queue names joined with '.' (destination and group names collide)",
@@ -1124,6 +1132,9 @@ impl WrongRelay {
                 }
                 self.settle(c, r, &mut report, &mut sent).await;
             }
+        }
+        if self.fault == Mutant::RelayCompletesAThousandRowsOfABatch {
+            sent.truncate(1_000);
         }
         if !sent.is_empty() {
             for outcome in self.store.complete_many(&sent).await? {

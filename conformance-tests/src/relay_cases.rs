@@ -117,3 +117,96 @@ pub(crate) async fn run_drains_a_backlog_while_completions_lag<H: Harness>(
         events.len()
     )))
 }
+
+/// Rows per claim in [`completes_every_row_of_batches_ending_together`]: more than a relay
+/// would sensibly complete in one call, so that the batches that end together are completed in
+/// parts.
+const BIG_BATCH: usize = 1_500;
+/// Batches of [`BIG_BATCH`] in that case's backlog: as many as a relay at depth 2 holds between
+/// claim and outcome, all of them waiting for the completion stage at once.
+const BIG_BATCHES: usize = 3;
+
+/// How long that case's first completion waits for every row to reach the broker: well within
+/// [`DRAIN_WAIT`], so that a relay that does not publish ahead of its completions still drains.
+const HOLD_FIRST: Duration = Duration::from_secs(2);
+
+/// `relay_run_completes_every_row_of_batches_that_end_together`: a backlog of three batches of
+/// 1,500 rows (each row its own key, so the claims overlap) at depth 2, completions lagging, so
+/// that the later batches wait for the completion stage together. Every row must end published
+/// by the relay under its claim's token: a relay that bounds how many rows one completion takes
+/// must complete the rest in another call, not drop them.
+pub(crate) async fn completes_every_row_of_batches_ending_together<H: Harness>(
+    h: &H,
+    engines: &Engines,
+) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "relay_run_completes_every_row_of_batches_that_end_together";
+    let names: Vec<String> = (0..BIG_BATCH * BIG_BATCHES).map(|k| format!("k{k}")).collect();
+    let keys: Vec<&str> = names.iter().map(String::as_str).collect();
+    let (fx, _clock, events) = keyed_fixture(h, CASE, &keys).await?;
+    let faulty = Faulty::new(fx.broker.clone());
+    // The first batch's completion waits until every row is at the broker: the other two
+    // batches then wait for the completion stage together.
+    let total = events.len();
+    let at_broker = faulty.clone();
+    let lagging = Arc::new(
+        LaggingCompletions::new(fx.store.clone())
+            .with_first_held_until(move || at_broker.accepted() >= total, HOLD_FIRST),
+    );
+    let config = relay_config("relay-A").with_batch_size(BIG_BATCH).with_pipeline_depth(2);
+    let relay = engines.relay(lagging.clone(), faulty.shared(), config);
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run().await }
+    });
+    let drained = lagging.wait_published(events.len(), DRAIN_WAIT).await;
+    let published = lagging.published();
+    relay.shutdown();
+    let Some(totals) = joined_within(running, "relay task").await? else {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!(
+                "the relay did not stop within {RELAY_WAIT:?} of the shutdown ({published} of {} rows published)",
+                events.len()
+            ),
+        ));
+    };
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let open: Vec<String> = events
+        .iter()
+        .filter_map(|e| row_of(&rows, e).filter(|r| r.status != RowStatus::Published).map(describe))
+        .collect();
+    ensure!(
+        CASE,
+        drained && open.is_empty(),
+        "{published} of {} rows completed as published within {DRAIN_WAIT:?}; {} not published at the shutdown \
+         ({} publishes accepted by the broker), first {:?}; totals {totals:?}",
+        events.len(),
+        open.len(),
+        faulty.log().accepted.len(),
+        &open[..open.len().min(NAMED)]
+    );
+    if let Some(row) = not_published_by(&rows, &events, "relay-A") {
+        return Ok(CaseResult::fail(CASE, "", row));
+    }
+    ensure!(
+        CASE,
+        totals.published == events.len() as u64 && totals.fenced == 0,
+        "run reported {totals:?} for {} rows published once each",
+        events.len()
+    );
+    let accepted = faulty.log().accepted;
+    let once: std::collections::HashSet<&EventId> = accepted.iter().collect();
+    ensure!(
+        CASE,
+        accepted.len() == events.len() && once.len() == events.len(),
+        "the broker accepted {} publishes of {} distinct events for {} rows (each once expected)",
+        accepted.len(),
+        once.len(),
+        events.len()
+    );
+    Ok(CaseResult::Passed(format!(
+        "{} rows in {BIG_BATCHES} batches of {BIG_BATCH} at depth 2, completions lagging: all published; totals {totals:?}",
+        events.len()
+    )))
+}

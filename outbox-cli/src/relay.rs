@@ -131,6 +131,8 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
         None => None,
     };
 
+    // Listening before the start is announced: a signal after the line is a clean stop.
+    let signals = tokio::spawn(wait_for_signals(shutdown.clone()));
     info!(
         target: "outbox.relay",
         %owner,
@@ -143,7 +145,6 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
         "relay started"
     );
 
-    let signals = tokio::spawn(wait_for_signals(shutdown.clone()));
     // Retention runs beside the relay until the same shutdown; a permanent failure of it (the
     // store refuses the purge) stops the relay too, so the operator hears about it.
     let retention = cleanup.map(|cleanup| {
@@ -191,16 +192,16 @@ pub(crate) async fn run(args: RelayArgs) -> Result<()> {
 }
 
 /// First SIGTERM/SIGINT: graceful shutdown. A second one: exit at once (status 130).
-async fn wait_for_signals(shutdown: outbox::Shutdown) {
+/// The handlers are installed by this call (`first_then_exit`), before the future runs.
+fn wait_for_signals(shutdown: outbox::Shutdown) -> impl std::future::Future<Output = ()> + Send {
     crate::signals::first_then_exit(
-        |_| {
+        move |_| {
             info!(target: "outbox.relay", "signal received: finishing in-flight publishes, releasing the rest");
             shutdown.trigger();
         },
         |_| warn!(target: "outbox.relay", "second signal: exiting now; unfinished rows are retried after their lease"),
         |name, e| warn!(target: "outbox.relay", error = %e, "cannot listen for {name}; only the other signal stops the relay"),
     )
-    .await;
 }
 
 /// Map an I/O error of the metrics listener.

@@ -246,16 +246,17 @@ impl Drop for Live {
 const TEARDOWN_LIMIT: Duration = Duration::from_secs(60);
 
 /// The first SIGTERM or SIGINT, by name, on `tx`; a second one exits at once (status 130).
-async fn forward_signals(tx: tokio::sync::watch::Sender<Option<&'static str>>) {
+fn forward_signals(
+    tx: tokio::sync::watch::Sender<Option<&'static str>>,
+) -> impl std::future::Future<Output = ()> + Send {
     crate::signals::first_then_exit(
-        |name| {
+        move |name| {
             eprintln!("outbox chaos: {name}: stopping the run's relays, consumers and servers (again to exit at once)");
             let _ = tx.send(Some(name));
         },
         |name| eprintln!("outbox chaos: second signal ({name}): exiting now; processes may be left running"),
         |name, e| eprintln!("outbox chaos: cannot listen for {name} ({e}); it will not stop the run's processes"),
     )
-    .await;
 }
 
 /// Resolves with the signal's name once the run is interrupted.

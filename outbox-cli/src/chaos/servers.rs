@@ -353,8 +353,25 @@ impl Probe {
 /// How the runner's line before each start of a server in its log begins.
 const START_LINE: &str = "---- chaos runner: starting";
 
-/// What a start's error says when the process exited before it answered its probe.
-const EXITED_EARLY: &str = "before it answered";
+/// Why a server did not come up: its message, and whether its process exited before it
+/// answered (a start that may succeed on another port) rather than not answering in time.
+#[derive(Debug)]
+struct NotReady {
+    exited: bool,
+    message: String,
+}
+
+impl From<String> for NotReady {
+    fn from(message: String) -> Self {
+        NotReady { exited: false, message }
+    }
+}
+
+impl From<NotReady> for String {
+    fn from(e: NotReady) -> Self {
+        e.message
+    }
+}
 
 /// Starts of tansu tried before its error is the run's: one that exits before it answers (its
 /// listener's error unwrapped in a task, e.g. a port taken between [`free_port`] and its bind)
@@ -369,7 +386,7 @@ async fn wait_ready(
     limit: Duration,
     exited: impl Fn() -> Option<String>,
     log: &Path,
-) -> Result<(), String> {
+) -> Result<(), NotReady> {
     let deadline = Instant::now() + limit;
     loop {
         let last = match probe.once(addr).await {
@@ -377,10 +394,11 @@ async fn wait_ready(
             Err(e) => e,
         };
         if let Some(status) = exited() {
-            return Err(format!("{name} on {addr} exited ({status}) {EXITED_EARLY}: {last}\n{}", log_tail(log)));
+            let message = format!("{name} on {addr} exited ({status}) before it answered: {last}\n{}", log_tail(log));
+            return Err(NotReady { exited: true, message });
         }
         if Instant::now() >= deadline {
-            return Err(format!("{name} on {addr} did not answer within {limit:?}: {last}\n{}", log_tail(log)));
+            return Err(format!("{name} on {addr} did not answer within {limit:?}: {last}\n{}", log_tail(log)).into());
         }
         tokio::time::sleep(PROBE_PAUSE).await;
     }
@@ -419,7 +437,7 @@ impl OwnedProcess {
         probe: Probe,
         ready_limit: Duration,
         dir: TempDir,
-    ) -> Result<OwnedProcess, String> {
+    ) -> Result<OwnedProcess, NotReady> {
         let log = dir.path().join(format!("{name}.log"));
         let p = OwnedProcess {
             name,
@@ -478,7 +496,7 @@ impl OwnedProcess {
         }
     }
 
-    async fn wait_ready(&self) -> Result<(), String> {
+    async fn wait_ready(&self) -> Result<(), NotReady> {
         wait_ready(self.name, self.addr, &self.probe, self.ready_limit, || self.exited(), &self.log).await
     }
 
@@ -600,26 +618,38 @@ impl TansuNode {
     /// Start tansu on a free port, advertising `advertised`, and wait until it answers
     /// `ApiVersions` (bounded).
     pub(crate) async fn start(advertised: SocketAddr) -> Result<TansuNode, String> {
+        Self::start_on(advertised, free_port).await
+    }
+
+    /// [`start`](Self::start) on the ports `port` hands out, one per start: a start whose
+    /// process exits before it answers is tried again on the next, up to [`TANSU_STARTS`].
+    async fn start_on(
+        advertised: SocketAddr,
+        mut port: impl FnMut() -> Result<u16, String>,
+    ) -> Result<TansuNode, String> {
         if !advertised.ip().is_loopback() {
             return Err(format!("tansu: advertised address {advertised} is not a loopback address"));
         }
         let mut attempt = 1;
         loop {
-            match Self::start_once(advertised).await {
-                Err(e) if attempt < TANSU_STARTS && e.contains(EXITED_EARLY) => {
-                    eprintln!("chaos: tansu start {attempt} of {TANSU_STARTS} failed, trying another port: {e}");
+            match Self::start_once(advertised, port()?).await {
+                Ok(node) => return Ok(node),
+                Err(e) if e.exited && attempt < TANSU_STARTS => {
+                    eprintln!(
+                        "chaos: tansu start {attempt} of {TANSU_STARTS} failed, trying another port: {}",
+                        e.message
+                    );
                     attempt += 1;
                 }
-                started => return started,
+                Err(e) => return Err(e.message),
             }
         }
     }
 
-    /// One start of tansu on a free port, in a new directory.
-    async fn start_once(advertised: SocketAddr) -> Result<TansuNode, String> {
+    /// One start of tansu on `port`, in a new directory.
+    async fn start_once(advertised: SocketAddr, port: u16) -> Result<TansuNode, NotReady> {
         let program = Self::binary()?;
         let dir = temp_dir("tansu")?;
-        let port = free_port()?;
         let args = vec![
             OsString::from("broker"),
             "--cluster-id".into(),
@@ -1258,6 +1288,41 @@ mod tests {
         drop(sub);
         broker.delete(&dest, &[group]).await.unwrap();
         broker.close().await;
+    }
+
+    /// A tansu whose port another process took between [`free_port`] and its bind exits before
+    /// it answers (its listener's error unwrapped in a task): the start is tried again on the
+    /// next port, and the node that comes up answers there, while the port's holder keeps it.
+    #[tokio::test]
+    async fn a_tansu_start_on_a_taken_port_is_tried_again_on_another() {
+        if let Err(e) = TansuNode::binary() {
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{e}");
+            eprintln!("SKIPPED: {e}");
+            return;
+        }
+        let taken = StdListener::bind((Ipv4Addr::LOCALHOST, free_port().unwrap())).unwrap();
+        let taken_port = taken.local_addr().unwrap().port();
+        let mut handed = Vec::new();
+        let mut ports = [taken_port, free_port().unwrap()].into_iter();
+        let advertised = loopback(free_port().unwrap());
+        let node = TansuNode::start_on(advertised, || {
+            let port = ports.next().ok_or("a third port asked for")?;
+            handed.push(port);
+            Ok(port)
+        })
+        .await
+        .unwrap();
+        assert_eq!(handed.len(), 2, "ports handed out: {handed:?}");
+        assert_eq!(node.addr().port(), handed[1], "the node is not on the second port");
+        Probe::Kafka.once(node.addr()).await.unwrap();
+        assert_eq!(taken.local_addr().unwrap().port(), taken_port);
+
+        // One port, and it is taken: the start's error says the process exited before it
+        // answered, and names its panic.
+        let err = TansuNode::start_on(advertised, || Ok(taken_port)).await.err().expect("a start on a taken port");
+        assert!(err.contains("exited") && err.contains("before it answered"), "{err}");
+        assert!(err.contains("panic since the last start"), "{err}");
+        drop(taken);
     }
 
     #[tokio::test]

@@ -87,3 +87,37 @@ fn bench_rejects_an_unknown_subject_as_a_usage_error() {
     let out = run(&["bench", "--only", "P10"], Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
 }
+
+/// `--p7-broker-latency`: every P7 row names the broker's latency, the JSON carries it, and the
+/// drains behind the rows passed P7's own check (every row published exactly once, or the
+/// command fails); a latency without a unit is a usage error.
+#[test]
+fn bench_p7_with_a_broker_latency_names_it_in_every_row() {
+    let pg = service::pg_url();
+    if !service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg)) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("bench.json");
+    let json_arg = json_path.to_str().unwrap();
+    let args =
+        ["bench", "--events", "300", "--only", "P7", "--seed", "7", "--p7-broker-latency", "5ms", "--json", json_arg];
+    let out = run(&args, LIMIT);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "outbox bench failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("P7 broker that answers each batch after 5ms"), "the header names it: {stdout}");
+    let figures: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON file")).expect("valid JSON");
+    assert_eq!(figures["settings"]["p7_broker_latency_ms"].as_u64(), Some(5), "{figures}");
+    let rows = figures["rows"].as_array().expect("rows");
+    let ids: Vec<&str> = rows.iter().filter_map(|r| r["id"].as_str()).collect();
+    assert_eq!(ids, ["P7/1", "P7/2", "P7/4", "P7/8"], "{figures}");
+    for row in rows {
+        let subject = row["subject"].as_str().unwrap_or_default();
+        assert!(subject.ends_with("broker answering after 5ms"), "{subject}: {row}");
+        assert!(row["measured_eps"].as_f64().is_some_and(|v| v > 0.0 && v.is_finite()), "{row}");
+    }
+
+    let out = run(&["bench", "--only", "P7", "--p7-broker-latency", "5"], Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+}

@@ -80,6 +80,39 @@ impl Broker for InstantBroker {
     }
 }
 
+/// A broker that keeps nothing and answers each batch after `latency`: P7 with a broker whose
+/// round trip the relay waits for (`--p7-broker-latency`), as a real broker's acks take.
+pub(crate) struct LatentBroker {
+    pub(crate) latency: Duration,
+}
+
+#[async_trait]
+impl Broker for LatentBroker {
+    fn backend(&self) -> &'static str {
+        "instant"
+    }
+    async fn declare(&self, _: &Destination, _: &[ConsumerGroup]) -> Result<()> {
+        Ok(())
+    }
+    async fn publish(&self, _: &Event) -> Result<()> {
+        tokio::time::sleep(self.latency).await;
+        Ok(())
+    }
+    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
+        tokio::time::sleep(self.latency).await;
+        events.iter().map(|_| Ok(())).collect()
+    }
+    async fn subscribe(&self, _: &Destination, _: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        Err(Error::permanent(ErrorKind::Rejected, "instant", "this broker keeps nothing"))
+    }
+}
+
+/// How a broker with `latency` answers, for the rows and the header: "that returns at once" or
+/// "that answers each batch after 20ms".
+pub(crate) fn answers(latency: Duration) -> String {
+    if latency.is_zero() { "that returns at once".into() } else { format!("that answers each batch after {latency:?}") }
+}
+
 pub(crate) fn fail(what: impl std::fmt::Display) -> Error {
     Error::permanent(ErrorKind::Rejected, "bench", what.to_string())
 }

@@ -55,6 +55,12 @@ pub(crate) struct BenchArgs {
     /// Above 1, P6 also measures the same consumer with 1 per commit, in the same run.
     #[arg(long, allow_negative_numbers = true, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     per_commit: u32,
+    /// How long P7's broker takes to answer each batch (default: at once, so the relays share
+    /// only the store). With your broker's batch latency, P7 shows whether more relays drain
+    /// faster against your database: where one relay waits on the broker, more add throughput
+    /// until the store is busy.
+    #[arg(long, value_parser = crate::duration::parse, value_name = "DURATION")]
+    p7_broker_latency: Option<Duration>,
     /// Seed of keys, amounts and payload bytes (default: random; printed first).
     #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
@@ -167,6 +173,8 @@ pub(crate) struct Settings {
     pub(crate) pipeline_depth: Option<usize>,
     pub(crate) in_flight: usize,
     pub(crate) per_commit: usize,
+    /// `--p7-broker-latency`: P7's broker answers each batch after this (zero: at once).
+    pub(crate) p7_broker_latency: Duration,
     /// Runs per subject (`--repeat`).
     pub(crate) repeat: usize,
     pub(crate) seed: u64,
@@ -182,7 +190,7 @@ impl Settings {
     /// The configuration every row shares, for the header and the JSON.
     fn describe(&self) -> String {
         format!(
-            "events {} | batch {} | payload {} B | keys {} | relay pipeline depth {} | P6 in flight {} | P6 per commit {} | runs per subject {} | seed {}",
+            "events {} | batch {} | payload {} B | keys {} | relay pipeline depth {} | P6 in flight {} | P6 per commit {} | P7 broker {} | runs per subject {} | seed {}",
             self.events,
             self.batch,
             self.payload,
@@ -191,6 +199,7 @@ impl Settings {
                 .map_or_else(|| format!("the broker's, else {}", outbox::DEFAULT_PIPELINE_DEPTH), |d| d.to_string()),
             self.in_flight,
             self.per_commit,
+            fixture::answers(self.p7_broker_latency),
             self.repeat,
             self.seed
         )
@@ -224,6 +233,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<bool> {
         pipeline_depth: args.pipeline_depth.map(|d| d as usize),
         in_flight: args.in_flight as usize,
         per_commit: args.per_commit as usize,
+        p7_broker_latency: args.p7_broker_latency.unwrap_or(Duration::ZERO),
         repeat: args.repeat as usize,
         seed,
         pg: args.pg.clone(),

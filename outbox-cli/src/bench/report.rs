@@ -233,6 +233,7 @@ pub(crate) fn json(settings: &Settings, machine: &str, outcomes: &[(Subject, Out
                 ("pipeline_depth", settings.pipeline_depth.map_or(Json::Null, |d| Json::Num(d as i128))),
                 ("in_flight", Json::Num(settings.in_flight as i128)),
                 ("per_commit", Json::Num(settings.per_commit as i128)),
+                ("p7_broker_latency_ms", Json::Num(settings.p7_broker_latency.as_millis() as i128)),
                 ("repeat", Json::Num(settings.repeat as i128)),
             ]),
         ),

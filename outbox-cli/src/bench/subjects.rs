@@ -1001,8 +1001,9 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
         say(
             "P7",
             format!(
-                "relays 1/2/4/8 on PostgreSQL, broker that returns at once (the store is what they share). schema {}; {} \
+                "relays 1/2/4/8 on PostgreSQL, a broker {} (the store is what they share). schema {}; {} \
                  events per drain; {P7_ROUNDS} rounds, counts in the order {}; each relay: {}, its own pool of {P7_POOL}",
+                fixture::answers(s.p7_broker_latency),
                 fx.schema,
                 s.events,
                 p7_order().map(|i| RELAY_COUNTS[i].to_string()).collect::<Vec<_>>().join(","),
@@ -1029,7 +1030,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                 // No goal for one relay (P4 judges it); the ratio to raw SQL is shown.
                 None => Row::new(
                     "P7/1",
-                    "1 relay, instant broker",
+                    format!("1 relay, {}", p7_broker_name(s)),
                     "raw SQL claim+complete",
                     measured,
                     Some(sql),
@@ -1044,7 +1045,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                 ),
                 Some((best_i, (best_count, best_rate))) => Row::new(
                     format!("P7/{count}"),
-                    format!("{count} relays, instant broker"),
+                    format!("{count} relays, {}", p7_broker_name(s)),
                     format!("best smaller count ({best_count}), median of its rounds"),
                     measured,
                     Some(best_rate),
@@ -1070,6 +1071,24 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
     .await;
     let _ = fx.drop().await;
     result
+}
+
+/// P7's broker: one that returns at once, or after `--p7-broker-latency` per batch.
+fn p7_broker(s: &Settings) -> Arc<dyn Broker> {
+    if s.p7_broker_latency.is_zero() {
+        Arc::new(InstantBroker)
+    } else {
+        Arc::new(fixture::LatentBroker { latency: s.p7_broker_latency })
+    }
+}
+
+/// P7's broker in a row's subject: "instant broker", or the latency it answers after.
+fn p7_broker_name(s: &Settings) -> String {
+    if s.p7_broker_latency.is_zero() {
+        "instant broker".into()
+    } else {
+        format!("broker answering after {:?}", s.p7_broker_latency)
+    }
 }
 
 /// Rounds of P7 (each relay count drains this many times).
@@ -1109,11 +1128,7 @@ async fn p7_drain(fx: &PgFixture, s: &Settings, events: &[Event], count: usize, 
         .enumerate()
         .map(|(i, st)| {
             Arc::new(metrics::with_local_recorder(&stages, || {
-                Relay::new(
-                    Arc::new(st.clone()),
-                    Arc::new(InstantBroker),
-                    relay_config(s, format!("relay-bench{count}-{i}")),
-                )
+                Relay::new(Arc::new(st.clone()), p7_broker(s), relay_config(s, format!("relay-bench{count}-{i}")))
             }))
         })
         .collect();
@@ -1241,6 +1256,43 @@ mod tests {
         assert_eq!(order, [1, 2, 4, 8, 8, 4, 2, 1, 1, 2, 4, 8]);
         for count in RELAY_COUNTS {
             assert_eq!(order.iter().filter(|c| **c == count).count(), P7_ROUNDS, "{count}");
+        }
+    }
+
+    /// `--p7-broker-latency`: P7's broker answers each batch after the latency (on tokio's
+    /// paused clock, so no time passes), and at once without it.
+    #[tokio::test(start_paused = true)]
+    async fn p7s_broker_answers_each_batch_after_the_latency_asked_for() {
+        use outbox::EventId;
+        let dest = Destination::new("p7").unwrap();
+        let events: Vec<Event> =
+            (0..3).map(|i| Event::new(EventId::new(format!("e{i}")).unwrap(), dest.clone(), vec![1])).collect();
+        for (latency, name) in
+            [(Duration::ZERO, "instant broker"), (Duration::from_millis(20), "broker answering after 20ms")]
+        {
+            let s = Settings {
+                events: 3,
+                batch: 3,
+                payload: 1,
+                keys: 1,
+                pipeline_depth: None,
+                in_flight: 1,
+                per_commit: 1,
+                p7_broker_latency: latency,
+                repeat: 1,
+                seed: 7,
+                pg: String::new(),
+                redis: String::new(),
+                amqp: String::new(),
+                kafka: String::new(),
+                run_id: "t".into(),
+            };
+            assert_eq!(p7_broker_name(&s), name);
+            let t = tokio::time::Instant::now();
+            let answers = p7_broker(&s).publish_batch(&events).await;
+            assert_eq!(t.elapsed(), latency, "{name}");
+            assert_eq!(answers.len(), 3);
+            assert!(answers.iter().all(Result::is_ok), "{name}: {answers:?}");
         }
     }
 

@@ -68,6 +68,28 @@
 //! the instant broker completions almost never queue (P7: at most two fewer completion calls
 //! than publishes per drain), so the change does not reach it (docs/bench.md).
 //!
+//! # After a short claim
+//!
+//! A claim that returns fewer rows than asked used to mean "the backlog is drained", and the
+//! claim stage waited until every batch in flight was settled before it claimed again. Beside
+//! other relays most claims come back short while the backlog is full: a claim skips the rows
+//! another claim has locked and drops the later rows of their keys (50,000 rows took 502 claims
+//! at one relay, about 530 at two, 650–700 at eight). Each short claim emptied the pipeline, so
+//! relays that wait on their broker hardly added up. Now a short claim waits for one batch in flight to
+//! settle (its keys are free then); only a claim that finds nothing waits for all of them (their
+//! released and retried rows may be due at once), and one that finds nothing with nothing in
+//! flight ends the run. A drained backlog costs at most one more claim. Measured with `outbox
+//! bench --only P7 --seed 7`, the build before alternating with this one (relays' events/s, median
+//! of three rounds):
+//! - a broker that answers each batch after 20 ms (`--p7-broker-latency 20ms`): two relays
+//!   16.2k against 12.5k, four 19.8k against 13.9k, eight 19.5k against 16.9k (one: 9.0k, 8.9k);
+//! - after 5 ms: two 22.1k against 19.5k, four 23.2k against 21.7k, eight 21.9k against 22.2k;
+//! - the instant broker (the store is the limit), two runs each: two relays 26.2k, 26.7k against
+//!   25.9k, 25.8k; four 26.8k, 26.4k against 26.0k, 25.9k; eight 23.0k, 24.0k against 23.8k,
+//!   23.8k. Not waiting at all after a short claim did as well at two and four relays behind a
+//!   slow broker but cost eight relays on the busy store a quarter (17.0k–19.4k): the wait for
+//!   one batch is what keeps a relay from claiming faster than its batches settle.
+//!
 //! # One writer
 //!
 //! On a store whose writes run one at a time ([`OutboxStore::one_writer`], SQLite) a batch
@@ -581,6 +603,18 @@ impl Summary {
     }
 }
 
+/// What the claim stage waits for before its next claim.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Settle {
+    /// Nothing: claim when a slot is free.
+    Nothing,
+    /// One more batch settled: after a short claim (module docs, "After a short claim").
+    One,
+    /// Every batch in flight settled: after a claim that found nothing, whose rows the batches
+    /// in flight may release or retry.
+    All,
+}
+
 /// How far one run of the pipeline goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Until {
@@ -829,8 +863,8 @@ impl Relay {
         let claim_stage = async move {
             let mut wakeup = wakeup;
             let mut batches = 0_usize;
-            // Wait until everything in flight is settled before the next claim.
-            let mut settle_first = false;
+            // What to wait for before the next claim (module docs, "After a short claim").
+            let mut settle_first = Settle::Nothing;
             loop {
                 if self.shutdown.is_triggered() {
                     return Stop::Shutdown;
@@ -841,11 +875,19 @@ impl Relay {
                 if until == Until::OneBatch && batches == 1 {
                     return Stop::Idle;
                 }
-                if settle_first {
-                    settle_first = false;
-                    // Closed never: the semaphore lives as long as this future.
-                    drop(slots.acquire_many(in_flight as u32).await);
-                    continue;
+                // Closed never: the semaphore lives as long as this future. No permit is held
+                // here, so the slots free now are all the batches not in flight.
+                match std::mem::replace(&mut settle_first, Settle::Nothing) {
+                    Settle::Nothing => {}
+                    Settle::One => {
+                        let one_more = (slots.available_permits() + 1).min(in_flight);
+                        drop(slots.acquire_many(one_more as u32).await);
+                        continue;
+                    }
+                    Settle::All => {
+                        drop(slots.acquire_many(in_flight as u32).await);
+                        continue;
+                    }
                 }
                 let Ok(slot) = slots.acquire().await else { return Stop::Idle };
                 let Ok(early) = unpublished.acquire().await else { return Stop::Idle };
@@ -881,11 +923,14 @@ impl Relay {
                         return Stop::Idle;
                     }
                     // Rows released or retried by the batches in flight may be due at once.
-                    settle_first = true;
+                    settle_first = Settle::All;
                     continue;
                 }
-                // A short batch: the backlog is drained, an overlapped claim would find nothing.
-                settle_first = rows.len() < limit;
+                // A short batch: the backlog is drained, or the keys ahead are in flight, or a
+                // claim beside this one took rows of its keys; a batch settled frees keys.
+                if rows.len() < limit {
+                    settle_first = Settle::One;
+                }
                 batches += 1;
                 let n = rows.len() as u64;
                 self.counters.claimed.fetch_add(n, Ordering::Relaxed);

@@ -1457,3 +1457,57 @@ async fn completions_settled_together_stay_within_a_thousand_rows() {
     assert_eq!((totals.claimed, totals.published, totals.fenced), (2000, 2000, 0), "{totals:?}");
     published_once_each(&store, &broker, 2000).await;
 }
+
+/// After a short claim the relay claims again once one batch in flight has settled, not once all
+/// have (relay module docs, "After a short claim"): relays side by side cut each other's claims
+/// short, and waiting for every batch each time emptied the pipeline. Depth 2, batches of 2, each
+/// publish held at a gate: the second claim is short (keys a and b are in flight with the first
+/// batch); once the first batch alone is let through and settled, the third claim takes a4 and
+/// b5 while the short batch is still at the broker. Then every row is published once, in key
+/// order.
+#[tokio::test]
+async fn after_a_short_claim_the_next_waits_for_one_batch_to_settle_not_all() {
+    let (_clock, store, broker) = setup().await;
+    let keyed = [("a1", "a"), ("b2", "b"), ("c3", "c"), ("a4", "a"), ("b5", "b")];
+    store.enqueue(&keyed.map(|(id, key)| event(id).with_key(key))).await.unwrap();
+    let gate = Gate::new();
+    let flaky = Arc::new(Flaky { gate: Some(gate.clone()), ..Flaky::new(broker.clone()) });
+    let relay =
+        Relay::new(Arc::new(store.clone()), flaky.clone(), config("r").with_batch_size(2).with_pipeline_depth(2));
+    let drain = tokio::spawn(async move { relay.drain().await });
+
+    wait_until("the full batch and the short one at the broker", || flaky.batches().len() == 2).await;
+    assert_eq!(
+        flaky.batches(),
+        [vec!["a1", "b2"], vec!["c3"]],
+        "the second claim is short: a4 and b5 wait for a1 and b2"
+    );
+    // The first batch through (the gate's permits go in arrival order), the short one still held.
+    gate.open.add_permits(1);
+    wait_until("a third claim while the short batch is at the broker", || flaky.batches().len() == 3).await;
+    assert_eq!(flaky.batches()[2], ["a4", "b5"]);
+    let rows = all_rows(&store).await.unwrap();
+    let status: Vec<(&str, RowStatus)> = rows.iter().map(|r| (r.event.id.as_str(), r.status)).collect();
+    assert_eq!(
+        status,
+        [
+            ("a1", RowStatus::Published),
+            ("b2", RowStatus::Published),
+            ("c3", RowStatus::Leased),
+            ("a4", RowStatus::Leased),
+            ("b5", RowStatus::Leased)
+        ],
+        "c3 still at the broker when a4 and b5 were claimed"
+    );
+
+    gate.open.add_permits(2);
+    let report = within("the relay draining 5 rows", drain).await.unwrap().unwrap();
+    assert_eq!((report.claimed, report.published, report.fenced), (5, 5, 0), "{report:?}");
+    for r in all_rows(&store).await.unwrap() {
+        assert_eq!((r.status, r.token, r.published_token), (RowStatus::Published, 1, Some(1)), "{r:?}");
+    }
+    let offers = first_offers_by_key(&broker);
+    assert_eq!(offers["a"], ["a1", "a4"]);
+    assert_eq!(offers["b"], ["b2", "b5"]);
+    assert_eq!(offers["c"], ["c3"]);
+}

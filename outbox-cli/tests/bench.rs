@@ -13,27 +13,31 @@ use serde_json::Value;
 /// A few seconds normally; anything past this is a hang.
 const LIMIT: Duration = Duration::from_secs(180);
 
+/// `outbox bench` with `args` and `--json`: its stdout and the JSON file, after checking it
+/// exited 0.
+fn bench_with_json(args: &[&str]) -> (String, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let json_path = dir.path().join("bench.json");
+    let mut all = vec!["bench", "--json", json_path.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let out = run(&all, LIMIT);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "outbox bench failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    let json = std::fs::read_to_string(&json_path).expect("the JSON file");
+    (stdout, serde_json::from_str(&json).expect("valid JSON"))
+}
+
 #[test]
 fn bench_p4_p5_p9_reports_their_rows_with_positive_rates_over_two_runs() {
     let pg = service::pg_url();
     if !service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg)) {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let json_path = dir.path().join("bench.json");
-    let json_arg = json_path.to_str().unwrap();
-    let out = run(
-        &["bench", "--events", "300", "--only", "P4,P5,P9", "--seed", "7", "--repeat", "2", "--json", json_arg],
-        LIMIT,
-    );
-    let (stdout, stderr) = text(&out);
+    let (stdout, figures) = bench_with_json(&["--events", "300", "--only", "P4,P5,P9", "--seed", "7", "--repeat", "2"]);
     println!("{stdout}");
-    assert_eq!(out.status.code(), Some(0), "outbox bench failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stdout.contains("seed 7"), "the seed is printed: {stdout}");
     assert!(stdout.contains("| P | subject | baseline |"), "the table is printed: {stdout}");
 
-    let figures: Value =
-        serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON file")).expect("valid JSON");
     assert_eq!(figures["seed"].as_u64(), Some(7), "{figures}");
     assert_eq!(figures["settings"]["events"].as_u64(), Some(300), "{figures}");
     assert_eq!(figures["settings"]["repeat"].as_u64(), Some(2), "{figures}");
@@ -97,17 +101,9 @@ fn bench_p7_with_a_broker_latency_names_it_in_every_row() {
     if !service::require_service("PostgreSQL", "postgres", &service::service_addr(&pg)) {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let json_path = dir.path().join("bench.json");
-    let json_arg = json_path.to_str().unwrap();
-    let args =
-        ["bench", "--events", "300", "--only", "P7", "--seed", "7", "--p7-broker-latency", "5ms", "--json", json_arg];
-    let out = run(&args, LIMIT);
-    let (stdout, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(0), "outbox bench failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    let (stdout, figures) =
+        bench_with_json(&["--events", "300", "--only", "P7", "--seed", "7", "--p7-broker-latency", "5ms"]);
     assert!(stdout.contains("P7 broker that answers each batch after 5ms"), "the header names it: {stdout}");
-    let figures: Value =
-        serde_json::from_str(&std::fs::read_to_string(&json_path).expect("the JSON file")).expect("valid JSON");
     assert_eq!(figures["settings"]["p7_broker_latency_ms"].as_u64(), Some(5), "{figures}");
     let rows = figures["rows"].as_array().expect("rows");
     let ids: Vec<&str> = rows.iter().filter_map(|r| r["id"].as_str()).collect();

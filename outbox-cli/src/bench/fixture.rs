@@ -58,8 +58,28 @@ pub(crate) fn amount(event: &Event) -> Result<i64> {
         .ok_or_else(|| Error::invalid_input("bench", format!("event {} has no amount header", event.id)))
 }
 
-/// A broker that accepts everything at once: what is left is the relay's and the store's cost.
-pub(crate) struct InstantBroker;
+/// A broker that keeps nothing and accepts every batch at once ([`InstantBroker::AT_ONCE`]:
+/// what is left is the relay's and the store's cost) or after a set latency, as a real broker's
+/// acknowledgement takes (P7 with `--p7-broker-latency`).
+pub(crate) struct InstantBroker {
+    latency: Duration,
+}
+
+impl InstantBroker {
+    /// Answers every batch at once.
+    pub(crate) const AT_ONCE: InstantBroker = InstantBroker { latency: Duration::ZERO };
+
+    /// Answers each batch (and each single publish) after `latency`.
+    pub(crate) fn after(latency: Duration) -> Self {
+        InstantBroker { latency }
+    }
+
+    async fn wait(&self) {
+        if !self.latency.is_zero() {
+            tokio::time::sleep(self.latency).await;
+        }
+    }
+}
 
 #[async_trait]
 impl Broker for InstantBroker {
@@ -70,36 +90,11 @@ impl Broker for InstantBroker {
         Ok(())
     }
     async fn publish(&self, _: &Event) -> Result<()> {
+        self.wait().await;
         Ok(())
     }
     async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
-        events.iter().map(|_| Ok(())).collect()
-    }
-    async fn subscribe(&self, _: &Destination, _: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
-        Err(Error::permanent(ErrorKind::Rejected, "instant", "this broker keeps nothing"))
-    }
-}
-
-/// A broker that keeps nothing and answers each batch after `latency`: P7 with a broker whose
-/// round trip the relay waits for (`--p7-broker-latency`), as a real broker's acks take.
-pub(crate) struct LatentBroker {
-    pub(crate) latency: Duration,
-}
-
-#[async_trait]
-impl Broker for LatentBroker {
-    fn backend(&self) -> &'static str {
-        "instant"
-    }
-    async fn declare(&self, _: &Destination, _: &[ConsumerGroup]) -> Result<()> {
-        Ok(())
-    }
-    async fn publish(&self, _: &Event) -> Result<()> {
-        tokio::time::sleep(self.latency).await;
-        Ok(())
-    }
-    async fn publish_batch(&self, events: &[Event]) -> Vec<Result<()>> {
-        tokio::time::sleep(self.latency).await;
+        self.wait().await;
         events.iter().map(|_| Ok(())).collect()
     }
     async fn subscribe(&self, _: &Destination, _: &ConsumerGroup) -> Result<Box<dyn Subscription>> {

@@ -438,7 +438,7 @@ async fn p4(s: &Settings) -> Result<Vec<Row>> {
                  claim+complete per batch of {}",
                 fx.schema,
                 s.events,
-                relay_settings(s, &InstantBroker),
+                relay_settings(s, &InstantBroker::AT_ONCE),
                 s.batch
             ),
         );
@@ -447,7 +447,7 @@ async fn p4(s: &Settings) -> Result<Vec<Row>> {
         let sql = raw::pg_sql(&fx, s.events, s.batch).await?;
         say("P4", format!("raw SQL {} ev/s", rate(sql)));
         fx.fill(&events).await?;
-        let measured = relay_drain("P4", Arc::new(fx.store.clone()), Arc::new(InstantBroker), s, s.events).await?;
+        let measured = relay_drain("P4", Arc::new(fx.store.clone()), Arc::new(InstantBroker::AT_ONCE), s, s.events).await?;
         fx.check_published(s.events, "relay").await?;
         say("P4", format!("relay {} ev/s", rate(measured)));
         Ok(vec![Row::new(
@@ -457,7 +457,7 @@ async fn p4(s: &Settings) -> Result<Vec<Row>> {
             measured,
             Some(sql),
             Some(0.9),
-            format!("1 relay, {}; raw SQL on one connection", relay_settings(s, &InstantBroker)),
+            format!("1 relay, {}; raw SQL on one connection", relay_settings(s, &InstantBroker::AT_ONCE)),
             vec![("raw SQL".into(), sql)],
             s.seed,
         )])
@@ -502,7 +502,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
             dir.path().display(),
             s.events,
             s.keys,
-            relay_settings(s, &InstantBroker),
+            relay_settings(s, &InstantBroker::AT_ONCE),
             s.batch
         ),
     );
@@ -520,7 +520,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
     say("P5", format!("raw rusqlite {} ev/s (the claim before key order: {} ev/s)", rate(raw_rate), rate(before_rate)));
     let store = open("relay.db").await?;
     fill_sqlite(&store, &events).await?;
-    let measured = relay_drain("P5", Arc::new(store.clone()), Arc::new(InstantBroker), s, s.events).await?;
+    let measured = relay_drain("P5", Arc::new(store.clone()), Arc::new(InstantBroker::AT_ONCE), s, s.events).await?;
     all_published(&store, s.events, "the relay").await?;
     say("P5", format!("relay {} ev/s", rate(measured)));
     drop(store);
@@ -534,7 +534,7 @@ async fn p5(s: &Settings) -> Result<Vec<Row>> {
         Some(0.8),
         format!(
             "1 relay, {}; synchronous={synchronous}; {} keys; raw claim before key order {} ({:.2} of it){brokers}",
-            relay_settings(s, &InstantBroker),
+            relay_settings(s, &InstantBroker::AT_ONCE),
             s.keys,
             rate(before_rate),
             measured / before_rate
@@ -1007,7 +1007,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                 fx.schema,
                 s.events,
                 p7_order().map(|i| RELAY_COUNTS[i].to_string()).collect::<Vec<_>>().join(","),
-                relay_settings(s, &InstantBroker)
+                relay_settings(s, &InstantBroker::AT_ONCE)
             ),
         );
         let events = fixture::events(s, &dest, s.events);
@@ -1037,7 +1037,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                     None,
                     format!(
                         "1 relay, {}, pool {P7_POOL}; median of rounds {}; raw SQL on one connection",
-                        relay_settings(s, &InstantBroker),
+                        relay_settings(s, &InstantBroker::AT_ONCE),
                         spread(i)
                     ),
                     vec![("raw SQL".into(), sql)],
@@ -1053,7 +1053,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
                     format!(
                         "{count} relays, {}, pool {P7_POOL} each; median of rounds {}; {best_count} relay(s): {}; raw \
                          SQL {}",
-                        relay_settings(s, &InstantBroker),
+                        relay_settings(s, &InstantBroker::AT_ONCE),
                         spread(i),
                         spread(best_i),
                         rate(sql)
@@ -1075,11 +1075,7 @@ async fn p7(s: &Settings) -> Result<Vec<Row>> {
 
 /// P7's broker: one that returns at once, or after `--p7-broker-latency` per batch.
 fn p7_broker(s: &Settings) -> Arc<dyn Broker> {
-    if s.p7_broker_latency.is_zero() {
-        Arc::new(InstantBroker)
-    } else {
-        Arc::new(fixture::LatentBroker { latency: s.p7_broker_latency })
-    }
+    Arc::new(InstantBroker::after(s.p7_broker_latency))
 }
 
 /// P7's broker in a row's subject: "instant broker", or the latency it answers after.

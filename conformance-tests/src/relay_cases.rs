@@ -13,14 +13,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::store::all_rows;
-use outbox_core::{EventId, RowStatus};
+use outbox_core::store::{RowSnapshot, all_rows};
+use outbox_core::{BatchReport, Event, EventId, RowStatus};
 
 use crate::cases::{
     CaseResult, RELAY_WAIT, describe, joined_within, key_order_broken, keyed_fixture, not_published_by, receive_ids,
     relay_config, row_of,
 };
-use crate::engines::Engines;
+use crate::engines::{Engines, RelayUnderTest};
 use crate::faults::{Faulty, LaggingCompletions};
 use crate::harness::Harness;
 use crate::world::suite_group;
@@ -37,6 +37,37 @@ const DRAIN_WAIT: Duration = Duration::from_secs(10);
 /// Unpublished rows named in a failure (the rest are counted).
 const NAMED: usize = 4;
 
+/// `Relay::run` of `relay` until `lagging` has `n` rows completed as published (at most
+/// [`DRAIN_WAIT`]), then its shutdown: whether all `n` were, how many were, and the run's
+/// totals; or the case's failure when the relay does not stop within [`RELAY_WAIT`].
+async fn run_until_published(
+    case: &str,
+    relay: Arc<dyn RelayUnderTest>,
+    lagging: &LaggingCompletions,
+    n: usize,
+) -> outbox_core::Result<Result<(bool, usize, BatchReport), CaseResult>> {
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run().await }
+    });
+    let drained = lagging.wait_published(n, DRAIN_WAIT).await;
+    let published = lagging.published();
+    relay.shutdown();
+    Ok(match joined_within(running, "relay task").await? {
+        Some(totals) => Ok((drained, published, totals)),
+        None => Err(CaseResult::fail(
+            case,
+            "",
+            format!("the relay did not stop within {RELAY_WAIT:?} of the shutdown ({published} of {n} rows published)"),
+        )),
+    })
+}
+
+/// The rows of `events` not published, described.
+fn unpublished(rows: &[RowSnapshot], events: &[Event]) -> Vec<String> {
+    events.iter().filter_map(|e| row_of(rows, e).filter(|r| r.status != RowStatus::Published).map(describe)).collect()
+}
+
 /// `relay_run_drains_a_backlog_back_to_back_while_completions_lag`.
 pub(crate) async fn run_drains_a_backlog_while_completions_lag<H: Harness>(
     h: &H,
@@ -52,29 +83,13 @@ pub(crate) async fn run_drains_a_backlog_while_completions_lag<H: Harness>(
     let faulty = Faulty::new(fx.broker.clone());
     let config = relay_config("relay-A").with_batch_size(BATCH).with_pipeline_depth(2);
     let relay = engines.relay(lagging.clone(), faulty.shared(), config);
-    let running = tokio::spawn({
-        let relay = relay.clone();
-        async move { relay.run().await }
-    });
-    let drained = lagging.wait_published(events.len(), DRAIN_WAIT).await;
-    let published = lagging.published();
-    relay.shutdown();
-    let Some(totals) = joined_within(running, "relay task").await? else {
-        return Ok(CaseResult::fail(
-            CASE,
-            "",
-            format!(
-                "the relay did not stop within {RELAY_WAIT:?} of the shutdown ({published} of {} rows published)",
-                events.len()
-            ),
-        ));
+    let (drained, published, totals) = match run_until_published(CASE, relay, &lagging, events.len()).await? {
+        Ok(ran) => ran,
+        Err(failed) => return Ok(failed),
     };
     let rows = all_rows(fx.store.as_ref()).await?;
     if !drained {
-        let pending: Vec<String> = events
-            .iter()
-            .filter_map(|e| row_of(&rows, e).filter(|r| r.status != RowStatus::Published).map(describe))
-            .collect();
+        let pending = unpublished(&rows, &events);
         return Ok(CaseResult::fail(
             CASE,
             "",
@@ -154,28 +169,12 @@ pub(crate) async fn completes_every_row_of_batches_ending_together<H: Harness>(
     );
     let config = relay_config("relay-A").with_batch_size(BIG_BATCH).with_pipeline_depth(2);
     let relay = engines.relay(lagging.clone(), faulty.shared(), config);
-    let running = tokio::spawn({
-        let relay = relay.clone();
-        async move { relay.run().await }
-    });
-    let drained = lagging.wait_published(events.len(), DRAIN_WAIT).await;
-    let published = lagging.published();
-    relay.shutdown();
-    let Some(totals) = joined_within(running, "relay task").await? else {
-        return Ok(CaseResult::fail(
-            CASE,
-            "",
-            format!(
-                "the relay did not stop within {RELAY_WAIT:?} of the shutdown ({published} of {} rows published)",
-                events.len()
-            ),
-        ));
+    let (drained, published, totals) = match run_until_published(CASE, relay, &lagging, events.len()).await? {
+        Ok(ran) => ran,
+        Err(failed) => return Ok(failed),
     };
     let rows = all_rows(fx.store.as_ref()).await?;
-    let open: Vec<String> = events
-        .iter()
-        .filter_map(|e| row_of(&rows, e).filter(|r| r.status != RowStatus::Published).map(describe))
-        .collect();
+    let open = unpublished(&rows, &events);
     ensure!(
         CASE,
         drained && open.is_empty(),
@@ -183,7 +182,7 @@ pub(crate) async fn completes_every_row_of_batches_ending_together<H: Harness>(
          ({} publishes accepted by the broker), first {:?}; totals {totals:?}",
         events.len(),
         open.len(),
-        faulty.log().accepted.len(),
+        faulty.accepted(),
         &open[..open.len().min(NAMED)]
     );
     if let Some(row) = not_published_by(&rows, &events, "relay-A") {

@@ -1290,14 +1290,20 @@ mod tests {
         broker.close().await;
     }
 
+    /// Whether tansu is installed; without it a test skips loudly, and under `CI=true` fails.
+    fn tansu_installed() -> bool {
+        let Err(e) = TansuNode::binary() else { return true };
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{e}");
+        eprintln!("SKIPPED: {e}");
+        false
+    }
+
     /// A tansu whose port another process took between [`free_port`] and its bind exits before
     /// it answers (its listener's error unwrapped in a task): the start is tried again on the
     /// next port, and the node that comes up answers there, while the port's holder keeps it.
     #[tokio::test]
     async fn a_tansu_start_on_a_taken_port_is_tried_again_on_another() {
-        if let Err(e) = TansuNode::binary() {
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "{e}");
-            eprintln!("SKIPPED: {e}");
+        if !tansu_installed() {
             return;
         }
         let taken = StdListener::bind((Ipv4Addr::LOCALHOST, free_port().unwrap())).unwrap();
@@ -1328,9 +1334,7 @@ mod tests {
     #[tokio::test]
     async fn tansu_keeps_topics_records_and_committed_offsets_across_sigkill() {
         use outbox_broker_kafka::{KafkaBroker, KafkaConfig};
-        if let Err(e) = TansuNode::binary() {
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "{e}");
-            eprintln!("SKIPPED: {e}");
+        if !tansu_installed() {
             return;
         }
         // The proxy first: tansu advertises its address.

@@ -422,6 +422,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_wakeup_signals_an_enqueue_once_a_claim_can_find_it",
+            class: "OutboxStore::wakeup",
+            property: "an idle subscriber that marked the signals seen is signalled for an enqueue beside it, and \
+                       a claim after the signal finds the rows (a spurious signal is allowed, a missing or early \
+                       one is not)",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "inbox_remove_dead_letters_only_given_ids_and_resets_failures",
             class: "InboxAdmin::remove_dead_letters",
             property: "removes exactly the given ids of the given consumer; a later failure of the event counts \
@@ -845,6 +854,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
                 store_enqueue_rejects_a_bad_batch_beside_other_enqueues(harness).await
             }
             "store_stats" => store_stats(harness).await,
+            "store_wakeup_signals_an_enqueue_once_a_claim_can_find_it" => {
+                crate::store_cases::wakeup_signals_an_enqueue_once_a_claim_can_find_it(harness).await
+            }
             "claim_key_order_takes_a_prefix_per_key" => crate::order::takes_a_prefix_per_key(harness).await,
             "claim_key_order_blocked_middle_row_holds_back_the_rest_of_its_key" => {
                 crate::store_cases::blocked_middle_row_holds_back_the_rest_of_its_key(harness).await

@@ -66,6 +66,10 @@ pub enum Capability {
     /// Found out by the case itself, not declared: the trait's default, a permanent
     /// [`Rejected`](outbox_core::ErrorKind::Rejected) error, means the store has none.
     Retention,
+    /// The store has a wake-up signal ([`OutboxStore::wakeup`](outbox_core::OutboxStore::wakeup)
+    /// returns `Some`). Found out by the case itself, like [`Retention`](Self::Retention): the
+    /// trait's default, `None`, means relays find new rows by polling.
+    Wakeup,
 }
 
 impl Capability {
@@ -96,6 +100,7 @@ impl fmt::Display for Capability {
             Self::ForeignMessages => "foreign-messages",
             Self::ParkedHeadSkip => "parked-head-skip",
             Self::Retention => "retention",
+            Self::Wakeup => "wakeup",
         })
     }
 }

@@ -95,6 +95,13 @@ pub enum Mutant {
     /// fenced, changing nothing (a store whose statement holds a bounded number of rows and
     /// drops what is past it): a relay settling several batches together passes more.
     CompleteManyStopsAtAThousandRows,
+    /// A store whose wake-up subscription is never signalled: an idle relay publishes new rows
+    /// only at its next poll.
+    WakeupNeverSignals,
+    /// A store that signals an enqueue when it starts, before its rows can be claimed, and not
+    /// again (a notification sent before the commit): a relay woken early claims nothing and
+    /// waits for its poll.
+    WakeupBeforeRowsAreClaimable,
     /// A relay that completes at most 1,000 accepted rows of a batch and leaves the rest leased
     /// (a bound on one completion call without a second call for the rest).
     RelayCompletesAThousandRowsOfABatch,
@@ -143,7 +150,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 37] = [
+    pub const ALL: [Mutant; 39] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -164,6 +171,8 @@ impl Mutant {
         Mutant::BeginMarkedIgnoresDuplicate,
         Mutant::CompleteManyChecksFirstRowOnly,
         Mutant::CompleteManyStopsAtAThousandRows,
+        Mutant::WakeupNeverSignals,
+        Mutant::WakeupBeforeRowsAreClaimable,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -257,6 +266,10 @@ impl fmt::Display for Mutant {
             Self::CompleteManyStopsAtAThousandRows => {
                 "complete_many that drops the rows past the first 1,000 of a call"
             }
+            Self::WakeupNeverSignals => "store whose wake-up signal never fires",
+            Self::WakeupBeforeRowsAreClaimable => {
+                "store that signals an enqueue before its rows can be claimed, and not again"
+            }
             Self::RelayCompletesAThousandRowsOfABatch => {
                 "relay that completes 1,000 accepted rows of a batch and leaves the rest leased"
             }
@@ -300,6 +313,9 @@ struct MutantStore {
     /// [`Mutant::EnqueueAnswersBeforeCommit`], [`Mutant::RejectedEnqueueKeepsRowsBesideOthers`]:
     /// enqueues in flight now.
     enqueues: AtomicUsize,
+    /// [`Mutant::WakeupNeverSignals`], [`Mutant::WakeupBeforeRowsAreClaimable`]: the signal they
+    /// hand out instead of the inner store's (the other variants hand out the inner store's).
+    signal: outbox_core::WakeupSender,
 }
 
 /// How long after its `enqueue` returned a row of [`Mutant::EnqueueAnswersBeforeCommit`] is
@@ -315,6 +331,7 @@ impl MutantStore {
             keys: Mutex::default(),
             uncommitted: Arc::default(),
             enqueues: AtomicUsize::new(0),
+            signal: outbox_core::WakeupSender::new(),
         }
     }
 
@@ -409,6 +426,13 @@ impl OutboxStore for MutantStore {
     }
 
     async fn enqueue(&self, events: &[Event]) -> Result<Vec<RowId>> {
+        if self.mode == Mutant::WakeupBeforeRowsAreClaimable && self.signal.subscribers() > 0 {
+            // Signalled first; the rows are written as long as a slow commit takes after it
+            // (only while someone listens: the cases that explore many paths do not).
+            self.signal.notify();
+            tokio::time::sleep(UNCOMMITTED_FOR).await;
+            return self.inner.enqueue(events).await;
+        }
         if self.mode == Mutant::EnqueueAnswersBeforeCommit {
             let others = self.enqueues.fetch_add(1, Ordering::SeqCst) > 0;
             // Let enqueues started at the same moment join: a group.
@@ -556,6 +580,13 @@ impl OutboxStore for MutantStore {
     async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome> {
         let lease = self.translate(row, lease).await?;
         self.inner.release(row, &lease).await
+    }
+
+    fn wakeup(&self) -> Option<outbox_core::Wakeup> {
+        match self.mode {
+            Mutant::WakeupNeverSignals | Mutant::WakeupBeforeRowsAreClaimable => Some(self.signal.subscribe()),
+            _ => self.inner.wakeup(),
+        }
     }
 }
 

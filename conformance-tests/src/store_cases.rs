@@ -1,5 +1,7 @@
 //! Key-order bullets of [`OutboxStore::claim`](outbox_core::OutboxStore::claim) that only show
-//! in the middle of a key, driven on the store directly and judged from the rows a claim returns.
+//! in the middle of a key, driven on the store directly and judged from the rows a claim returns;
+//! and the wake-up signal of [`OutboxStore::wakeup`](outbox_core::OutboxStore::wakeup), judged
+//! the way a relay uses it: mark the signals seen, claim, wait.
 //!
 //! A claim can check a keyed row against its key's head and its direct predecessor in one probe
 //! each, and the order cases pass with only that: their blocked row is always a key's head or
@@ -14,13 +16,13 @@
 //! empty while another key's row is claimable, for as long as the row is held (a parked head:
 //! until an operator acts).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use outbox_core::store::all_rows;
 use outbox_core::{Event, EventId, ManualClock, Outcome, RowId, RowStatus};
 
 use crate::cases::{CaseResult, describe, row_of};
-use crate::harness::Harness;
+use crate::harness::{Capability, Harness};
 use crate::world::{LEASE, unique_tag};
 
 /// How long the blocked middle row backs off (the clock is advanced past it by hand).
@@ -166,5 +168,96 @@ pub(crate) async fn held_key_does_not_crowd_out_other_keys<H: Harness>(h: &H) ->
     }
     Ok(CaseResult::Passed(format!(
         "{BEHIND} rows behind each of a leased, a backing-off and a parked head did not crowd out the other rows"
+    )))
+}
+
+/// How long a correct store may take to signal an enqueue it has committed (PostgreSQL delivers a
+/// notification on its listening connection; the in-process stores at once).
+pub(crate) const SIGNAL_WAIT: Duration = Duration::from_secs(10);
+
+/// [`OutboxStore::wakeup`](outbox_core::OutboxStore::wakeup): "rows enqueued through this store
+/// trigger a signal no earlier than a claim can find them", with "a signal is a hint: it may be
+/// spurious". Driven as a relay drives it: mark the signals seen, claim, and after a claim that
+/// missed the rows wait for a signal; the enqueue runs beside the waiting subscriber. A store
+/// that never signals, or signals before its rows can be claimed and not again, leaves the
+/// subscriber waiting after its last claim missed the rows: an idle relay would publish them
+/// only at its next poll. A store without a signal (the trait's default `None`) is reported
+/// skipped for capability `wakeup`.
+pub(crate) async fn wakeup_signals_an_enqueue_once_a_claim_can_find_it<H: Harness>(
+    h: &H,
+) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_wakeup_signals_an_enqueue_once_a_claim_can_find_it";
+    const ROWS: usize = 3;
+    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    let Some(mut wakeup) = fx.store.wakeup() else {
+        return Ok(CaseResult::Skipped(Capability::Wakeup));
+    };
+    let tag = unique_tag();
+    let events: Vec<Event> = (0..ROWS)
+        .map(|i| Ok(Event::new(EventId::new(format!("{CASE}.{tag}.{i}"))?, fx.destination.clone(), vec![i as u8])))
+        .collect::<outbox_core::Result<_>>()?;
+    // An idle relay: it marked the signals seen and its claim found nothing.
+    wakeup.mark_seen();
+    let none = fx.store.claim("relay-A", ROWS, LEASE).await?;
+    ensure!(CASE, none.is_empty(), "a claim on a fresh fixture returned {:?}", ids(&none));
+    let store = fx.store.clone();
+    let enqueue = tokio::spawn(async move { store.enqueue(&events).await });
+    let started = Instant::now();
+    let mut claimed = Vec::new();
+    let mut signals = 0_usize;
+    while claimed.len() < ROWS {
+        let left = SIGNAL_WAIT.saturating_sub(started.elapsed());
+        if tokio::time::timeout(left, wakeup.wait()).await.is_err() {
+            let enqueued = if enqueue.is_finished() { "returned" } else { "not returned" };
+            enqueue.abort();
+            return Ok(CaseResult::fail(
+                CASE,
+                "",
+                format!(
+                    "after {signals} signal(s) the relay's claims had found {} of the {ROWS} rows enqueued; no \
+                     signal followed its last claim within {SIGNAL_WAIT:?} (the enqueue had {enqueued}): a relay \
+                     would wait for its poll. A signal must come no earlier than a claim can find the rows",
+                    claimed.len()
+                ),
+            ));
+        }
+        signals += 1;
+        wakeup.mark_seen();
+        claimed.extend(fx.store.claim("relay-A", ROWS, LEASE).await?);
+    }
+    let rows = match tokio::time::timeout(SIGNAL_WAIT, enqueue).await {
+        Ok(Ok(rows)) => rows?,
+        Ok(Err(e)) => panic!("{CASE}: the enqueue task failed: {e}"),
+        Err(_) => {
+            return Ok(CaseResult::fail(
+                CASE,
+                "",
+                format!("its rows were claimed but the enqueue had not returned {SIGNAL_WAIT:?} later"),
+            ));
+        }
+    };
+    ensure!(
+        CASE,
+        ids(&claimed) == rows,
+        "the claims after the signals returned {:?}, enqueued {rows:?}",
+        ids(&claimed)
+    );
+    // Read back: the rows are leased to the relay that was woken, with the claims' tokens.
+    let read = all_rows(fx.store.as_ref()).await?;
+    for c in &claimed {
+        let r = read.iter().find(|r| r.row_id == c.record.row_id);
+        ensure!(
+            CASE,
+            r.is_some_and(|r| r.status == RowStatus::Leased
+                && r.owner.as_deref() == Some("relay-A")
+                && r.token == c.lease.token),
+            "row {} reads back as {}, expected leased to relay-A with token {}",
+            c.record.row_id,
+            r.map_or("missing".to_string(), describe),
+            c.lease.token
+        );
+    }
+    Ok(CaseResult::Passed(format!(
+        "{ROWS} rows claimed after {signals} signal(s), every one leased to the woken relay"
     )))
 }

@@ -92,7 +92,7 @@ pub(crate) fn median(runs: Vec<Vec<Row>>) -> Vec<Row> {
         let Some(chosen) = ranked.get((ranked.len().max(1) - 1) / 2).or(same.first()) else { continue };
         let mut row = (*chosen).clone();
         if !ratios.is_empty() {
-            let list: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+            let list: Vec<String> = ratios.iter().map(|r| shown_ratio(*r, row.goal)).collect();
             row.configuration =
                 format!("{}; ratios of {} runs: {} (median shown)", row.configuration, ratios.len(), list.join(", "));
         }
@@ -115,6 +115,21 @@ pub(crate) fn rate(v: f64) -> String {
     }
 }
 
+/// A ratio as the table shows it: two decimals, or as many more (up to four) as it takes for
+/// the figure not to contradict its verdict. A ratio just below its goal rounds up to the goal
+/// (0.998 against 1.00 would read `1.00 FAIL`); it is shown as `0.998`.
+fn shown_ratio(ratio: f64, goal: Option<f64>) -> String {
+    let below = goal.is_some_and(|g| ratio < g);
+    for places in 2..4 {
+        let shown = format!("{ratio:.places$}");
+        let reads_below = goal.is_some_and(|g| shown.parse::<f64>().is_ok_and(|s| s < g));
+        if reads_below == below {
+            return shown;
+        }
+    }
+    format!("{ratio:.4}")
+}
+
 /// The table as printed (Markdown, so that `docs/bench.md` can hold it as it is).
 pub(crate) fn table(outcomes: &[(Subject, Outcome)]) -> String {
     let mut out = String::new();
@@ -126,7 +141,7 @@ pub(crate) fn table(outcomes: &[(Subject, Outcome)]) -> String {
         match outcome {
             Outcome::Rows(rows) => {
                 for r in rows {
-                    let ratio = r.ratio().map_or("-".to_string(), |x| format!("{x:.2}"));
+                    let ratio = r.ratio().map_or("-".to_string(), |x| shown_ratio(x, r.goal));
                     let goal = r.goal.map_or("-".to_string(), |g| format!(">= {g:.2}"));
                     let verdict = match r.pass {
                         Some(true) => "pass",
@@ -247,6 +262,21 @@ pub(crate) fn json(settings: &Settings, machine: &str, outcomes: &[(Subject, Out
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ratio_just_below_its_goal_is_shown_with_the_places_that_tell() {
+        assert_eq!(shown_ratio(0.8449, Some(0.8)), "0.84");
+        assert_eq!(shown_ratio(0.998, Some(1.0)), "0.998");
+        assert_eq!(shown_ratio(0.9996, Some(1.0)), "0.9996");
+        assert_eq!(shown_ratio(0.99999, Some(1.0)), "1.0000", "past four places the verdict says it");
+        assert_eq!(shown_ratio(1.0, Some(1.0)), "1.00");
+        assert_eq!(shown_ratio(0.796, None), "0.80");
+        let table = table(&[(
+            Subject::P7,
+            Outcome::Rows(vec![Row::new("P7/2", "2 relays", "best", 99.8, Some(100.0), Some(1.0), "", vec![], 1)]),
+        )]);
+        assert!(table.contains("| 0.998 | >= 1.00 | FAIL |"), "{table}");
+    }
 
     #[test]
     fn ratio_and_verdict_follow_from_the_figures() {

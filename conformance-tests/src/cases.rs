@@ -422,6 +422,22 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_requeue_parked_ignores_rows_that_are_not_parked",
+            class: "OutboxAdmin::requeue_parked",
+            property: "of a published, a leased, a backing-off and a parked row only the parked one is requeued \
+                       (attempts reset, counted); the others read back unchanged and the lease still completes",
+            needs: &[],
+            body: Function,
+        },
+        Case {
+            name: "inbox_prune_markers_deletes_only_old_markers_of_its_consumer",
+            class: "InboxAdmin::prune_markers",
+            property: "deletes the named consumer's markers older than the age, not one a millisecond younger \
+                       and not another consumer's; answers how many",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_wakeup_signals_an_enqueue_once_a_claim_can_find_it",
             class: "OutboxStore::wakeup",
             property: "an idle subscriber that marked the signals seen is signalled for an enqueue beside it, and \
@@ -854,6 +870,12 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
                 store_enqueue_rejects_a_bad_batch_beside_other_enqueues(harness).await
             }
             "store_stats" => store_stats(harness).await,
+            "store_requeue_parked_ignores_rows_that_are_not_parked" => {
+                crate::admin_cases::requeue_parked_ignores_rows_that_are_not_parked(harness).await
+            }
+            "inbox_prune_markers_deletes_only_old_markers_of_its_consumer" => {
+                crate::admin_cases::prune_markers_deletes_only_old_markers_of_its_consumer(harness).await
+            }
             "store_wakeup_signals_an_enqueue_once_a_claim_can_find_it" => {
                 crate::store_cases::wakeup_signals_an_enqueue_once_a_claim_can_find_it(harness).await
             }

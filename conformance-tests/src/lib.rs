@@ -10,6 +10,7 @@ macro_rules! ensure {
     };
 }
 
+mod admin_cases;
 mod batch_cases;
 pub mod cases;
 mod consumer_cases;

@@ -102,6 +102,15 @@ pub enum Mutant {
     /// again (a notification sent before the commit): a relay woken early claims nothing and
     /// waits for its poll.
     WakeupBeforeRowsAreClaimable,
+    /// `requeue_parked` that answers how many ids it was given, not how many parked rows it
+    /// requeued (a count taken from the input instead of the rows changed).
+    RequeueCountsEveryId,
+    /// `prune_markers` that deletes the old markers of every consumer, not only the one named
+    /// (a delete without the consumer in its condition).
+    PruneMarkersOfEveryConsumer,
+    /// `prune_markers` that deletes every marker of the consumer, whatever its age (a delete
+    /// without the age in its condition): a redelivery then applies the effect again.
+    PruneMarkersIgnoresAge,
     /// A relay that completes at most 1,000 accepted rows of a batch and leaves the rest leased
     /// (a bound on one completion call without a second call for the rest).
     RelayCompletesAThousandRowsOfABatch,
@@ -150,7 +159,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 39] = [
+    pub const ALL: [Mutant; 42] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -173,6 +182,9 @@ impl Mutant {
         Mutant::CompleteManyStopsAtAThousandRows,
         Mutant::WakeupNeverSignals,
         Mutant::WakeupBeforeRowsAreClaimable,
+        Mutant::RequeueCountsEveryId,
+        Mutant::PruneMarkersOfEveryConsumer,
+        Mutant::PruneMarkersIgnoresAge,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -270,6 +282,9 @@ impl fmt::Display for Mutant {
             Self::WakeupBeforeRowsAreClaimable => {
                 "store that signals an enqueue before its rows can be claimed, and not again"
             }
+            Self::RequeueCountsEveryId => "requeue_parked that counts every id given, parked or not",
+            Self::PruneMarkersOfEveryConsumer => "prune_markers that deletes other consumers' old markers too",
+            Self::PruneMarkersIgnoresAge => "prune_markers that deletes the consumer's markers whatever their age",
             Self::RelayCompletesAThousandRowsOfABatch => {
                 "relay that completes 1,000 accepted rows of a batch and leaves the rest leased"
             }
@@ -601,7 +616,8 @@ impl OutboxAdmin for MutantStore {
     }
 
     async fn requeue_parked(&self, rows: &[RowId]) -> Result<u64> {
-        self.inner.requeue_parked(rows).await
+        let requeued = self.inner.requeue_parked(rows).await?;
+        Ok(if self.mode == Mutant::RequeueCountsEveryId { rows.len() as u64 } else { requeued })
     }
 
     async fn purge_parked(&self, rows: &[RowId]) -> Result<u64> {
@@ -639,6 +655,8 @@ pub struct MutantInbox {
     inner: MemoryInbox,
     mode: Mutant,
     local: Arc<Mutex<HashSet<(String, EventId)>>>,
+    /// [`Mutant::PruneMarkersOfEveryConsumer`]: the consumers that marked an event.
+    consumers: Arc<Mutex<BTreeSet<String>>>,
 }
 
 /// A transaction of [`MutantInbox`].
@@ -695,7 +713,12 @@ impl Inbox for MutantInbox {
                     MarkOutcome::Duplicate
                 })
             }
-            _ => self.inner.mark(&mut tx.inner, consumer, event_id, fp).await,
+            _ => {
+                if self.mode == Mutant::PruneMarkersOfEveryConsumer {
+                    lock(&self.consumers).insert(consumer.to_string());
+                }
+                self.inner.mark(&mut tx.inner, consumer, event_id, fp).await
+            }
         }
     }
 
@@ -753,7 +776,18 @@ impl InboxAdmin for MutantInbox {
     }
 
     async fn prune_markers(&self, c: &str, older_than: Duration) -> Result<u64> {
-        self.inner.prune_markers(c, older_than).await
+        match self.mode {
+            Mutant::PruneMarkersOfEveryConsumer => {
+                let consumers: Vec<String> = lock(&self.consumers).iter().cloned().collect();
+                let mut pruned = self.inner.prune_markers(c, older_than).await?;
+                for other in consumers.iter().filter(|o| o.as_str() != c) {
+                    pruned += self.inner.prune_markers(other, older_than).await?;
+                }
+                Ok(pruned)
+            }
+            Mutant::PruneMarkersIgnoresAge => self.inner.prune_markers(c, Duration::ZERO).await,
+            _ => self.inner.prune_markers(c, older_than).await,
+        }
     }
 }
 
@@ -871,7 +905,9 @@ impl Harness for MutantHarness {
             }
             _ => Arc::new(mem),
         };
-        let inbox = MutantInbox { inner: memory.clone(), mode, local: Arc::default() };
+        // The consumers that marked events are the inbox's durable state: shared by restarts.
+        let consumers: Arc<Mutex<BTreeSet<String>>> = Arc::default();
+        let inbox = MutantInbox { inner: memory.clone(), mode, local: Arc::default(), consumers: consumers.clone() };
         let mut fx = Fixture::new(
             Arc::new(store),
             broker,
@@ -880,7 +916,12 @@ impl Harness for MutantHarness {
             Destination::new("suite")?,
         );
         // A restarted process starts with an empty process-local set.
-        fx.restart_inbox = Arc::new(move || MutantInbox { inner: memory.clone(), mode, local: Arc::default() });
+        fx.restart_inbox = Arc::new(move || MutantInbox {
+            inner: memory.clone(),
+            mode,
+            local: Arc::default(),
+            consumers: consumers.clone(),
+        });
         fx.foreign = Some(foreign);
         Ok(fx)
     }

@@ -258,6 +258,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "broker_declare_twice_loses_nothing",
+            class: "Broker::declare",
+            property: "declaring a destination and its group again, with one delivery acknowledged and one held, \
+                       is not an error and loses nothing: the held one and a later one still reach the group, the \
+                       acknowledged one does not",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "broker_nack_redelivers",
             class: "Acknowledge::nack",
             property: "a negative acknowledgement makes the message come back",
@@ -811,7 +820,8 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "broker_roundtrip_bytes" => broker_roundtrip_bytes(harness).await,
             "broker_unacked_redelivered_after_consumer_goes_away" => broker_unacked_redelivered(harness, false).await,
             "broker_redelivery_is_flagged" => broker_unacked_redelivered(harness, true).await,
-            "broker_acked_not_redelivered" => broker_acked_not_redelivered(harness).await,
+            "broker_acked_not_redelivered" => broker_acked_not_redelivered(harness, false).await,
+            "broker_declare_twice_loses_nothing" => broker_acked_not_redelivered(harness, true).await,
             "broker_nack_redelivers" => broker_nack_redelivers(harness).await,
             "broker_unroutable_is_error" => broker_unroutable_is_error(harness).await,
             "broker_unbound_destination_is_unroutable_or_retained" => {
@@ -1262,9 +1272,14 @@ async fn broker_unacked_redelivered<H: Harness>(h: &H, flagged: bool) -> outbox_
     Ok(CaseResult::Passed(note))
 }
 
-async fn broker_acked_not_redelivered<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
-    const CASE: &str = "broker_acked_not_redelivered";
-    let (fx, wait) = fresh_broker(h, CASE).await?;
+/// `Broker::subscribe`: an acknowledged delivery is not delivered to the group again. With
+/// `redeclare`, `Broker::declare`'s "idempotent: declaring twice is not an error and loses
+/// nothing": between the two subscriptions the destination and its group are declared twice
+/// more (a relay or consumer restarting declares them again), and an event published after that
+/// must reach the group as well as the held one.
+async fn broker_acked_not_redelivered<H: Harness>(h: &H, redeclare: bool) -> outbox_core::Result<CaseResult> {
+    let case = if redeclare { "broker_declare_twice_loses_nothing" } else { "broker_acked_not_redelivered" };
+    let (fx, wait) = fresh_broker(h, case).await?;
     let tag = crate::world::unique_tag();
     let a = Event::new(EventId::new(format!("a.{tag}"))?, fx.destination.clone(), b"a".to_vec());
     let b = Event::new(EventId::new(format!("b.{tag}"))?, fx.destination.clone(), b"b".to_vec());
@@ -1282,10 +1297,21 @@ async fn broker_acked_not_redelivered<H: Harness>(h: &H) -> outbox_core::Result<
             held.push(d); // b stays unacknowledged
         }
     }
-    ensure!(CASE, acked.is_some(), "{} never arrived", a.id);
+    ensure!(case, acked.is_some(), "{} never arrived", a.id);
     drop(held);
     drop(first);
     let broker = (fx.restart_broker)();
+    let mut expected = vec![b.id.clone()];
+    if redeclare {
+        for round in ["again", "a third time"] {
+            if let Err(e) = broker.declare(&fx.destination, &[suite_group()]).await {
+                return Ok(CaseResult::fail(case, "", format!("declaring the destination and group {round}: {e}")));
+            }
+        }
+        let c = Event::new(EventId::new(format!("c.{tag}"))?, fx.destination.clone(), b"c".to_vec());
+        broker.publish(&c).await?;
+        expected.push(c.id);
+    }
     let mut second = broker.subscribe(&fx.destination, &suite_group()).await?;
     let mut seen = Vec::new();
     while let Some(d) = receive_within(second.as_mut(), wait).await? {
@@ -1295,8 +1321,17 @@ async fn broker_acked_not_redelivered<H: Harness>(h: &H) -> outbox_core::Result<
             break;
         }
     }
-    ensure!(CASE, !seen.contains(&a.id), "acknowledged {} was delivered again: {seen:?}", a.id);
-    ensure!(CASE, seen.contains(&b.id), "unacknowledged {} was not delivered again: {seen:?}", b.id);
+    ensure!(case, !seen.contains(&a.id), "acknowledged {} was delivered again: {seen:?}", a.id);
+    let missing: Vec<&EventId> = expected.iter().filter(|id| !seen.contains(id)).collect();
+    ensure!(
+        case,
+        missing.is_empty(),
+        "{missing:?} never reached the group{} (it saw {seen:?}); {} was held unacknowledged when the first \
+         subscription went away{}",
+        if redeclare { " after the destination and group were declared twice more" } else { "" },
+        b.id,
+        if redeclare { ", the other was published after the declarations" } else { "" }
+    );
     Ok(CaseResult::Passed(format!("after restart the group saw {seen:?}")))
 }
 

@@ -111,6 +111,10 @@ pub enum Mutant {
     /// `prune_markers` that deletes every marker of the consumer, whatever its age (a delete
     /// without the age in its condition): a redelivery then applies the effect again.
     PruneMarkersIgnoresAge,
+    /// A broker whose `declare` of a group that exists already starts it anew past everything
+    /// published so far (a Redis group destroyed and created at `$`, an AMQP queue deleted and
+    /// declared again): its unread and unacknowledged messages are lost.
+    RedeclareSkipsToTheEnd,
     /// A relay that completes at most 1,000 accepted rows of a batch and leaves the rest leased
     /// (a bound on one completion call without a second call for the rest).
     RelayCompletesAThousandRowsOfABatch,
@@ -159,7 +163,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 42] = [
+    pub const ALL: [Mutant; 43] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -185,6 +189,7 @@ impl Mutant {
         Mutant::RequeueCountsEveryId,
         Mutant::PruneMarkersOfEveryConsumer,
         Mutant::PruneMarkersIgnoresAge,
+        Mutant::RedeclareSkipsToTheEnd,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -285,6 +290,7 @@ impl fmt::Display for Mutant {
             Self::RequeueCountsEveryId => "requeue_parked that counts every id given, parked or not",
             Self::PruneMarkersOfEveryConsumer => "prune_markers that deletes other consumers' old markers too",
             Self::PruneMarkersIgnoresAge => "prune_markers that deletes the consumer's markers whatever their age",
+            Self::RedeclareSkipsToTheEnd => "declare that starts an existing group anew past what was published",
             Self::RelayCompletesAThousandRowsOfABatch => {
                 "relay that completes 1,000 accepted rows of a batch and leaves the rest leased"
             }
@@ -899,6 +905,7 @@ impl Harness for MutantHarness {
             Mutant::BatchReversesOrder | Mutant::BatchDoesNotSkipAfterFailure | Mutant::BatchFailsWholeOnUnroutable => {
                 Arc::new(WrongBatch { inner: mem, mode })
             }
+            Mutant::RedeclareSkipsToTheEnd => Arc::new(Redeclaring { inner: mem, groups: Mutex::default() }),
             Mutant::JoinedQueueNames => {
                 foreign = Arc::new(QueueForeign(mem.clone()));
                 Arc::new(JoinedQueues { inner: mem, bindings: Mutex::default() })
@@ -999,6 +1006,74 @@ impl Broker for WrongBatch {
     }
     async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
         self.inner.subscribe(d, g).await
+    }
+}
+
+/// [`Mutant::RedeclareSkipsToTheEnd`] on the reference broker: a group declared (or created by a
+/// subscription) before is, on the next `declare`, told to pass over every event in the
+/// destination's log at that moment; its subscriptions acknowledge those unseen.
+struct Redeclaring {
+    inner: MemoryBroker,
+    /// Per (destination, group): `None` while never re-declared, else the events it passes over.
+    groups: Mutex<BTreeMap<(String, String), Option<PassedOver>>>,
+}
+
+/// The events a re-declared group of [`Redeclaring`] passes over.
+type PassedOver = Arc<HashSet<EventId>>;
+
+impl Redeclaring {
+    fn key(d: &Destination, g: &ConsumerGroup) -> (String, String) {
+        (d.as_str().to_owned(), g.as_str().to_owned())
+    }
+}
+
+#[async_trait]
+impl Broker for Redeclaring {
+    fn backend(&self) -> &'static str {
+        "mutant"
+    }
+    async fn declare(&self, d: &Destination, groups: &[ConsumerGroup]) -> Result<()> {
+        self.inner.declare(d, groups).await?;
+        let logged: PassedOver = Arc::new(self.inner.log(d).into_iter().map(|e| e.id).collect());
+        let mut known = lock(&self.groups);
+        for g in groups {
+            match known.get_mut(&Self::key(d, g)) {
+                Some(skip) => *skip = Some(logged.clone()),
+                None => {
+                    known.insert(Self::key(d, g), None);
+                }
+            }
+        }
+        Ok(())
+    }
+    async fn publish(&self, e: &Event) -> Result<()> {
+        self.inner.publish(e).await
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        let inner = self.inner.subscribe(d, g).await?;
+        let skip = lock(&self.groups).entry(Self::key(d, g)).or_insert(None).clone();
+        Ok(match skip {
+            Some(skip) => Box::new(Skipping { inner, skip }),
+            None => inner,
+        })
+    }
+}
+
+/// A subscription of [`Redeclaring`] that acknowledges, unseen, the events it passes over.
+struct Skipping {
+    inner: Box<dyn Subscription>,
+    skip: Arc<HashSet<EventId>>,
+}
+
+#[async_trait]
+impl Subscription for Skipping {
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
+        loop {
+            match self.inner.receive(wait).await? {
+                Some(Received::Event(d)) if self.skip.contains(&d.event.id) => d.ack().await?,
+                other => return Ok(other),
+            }
+        }
     }
 }
 

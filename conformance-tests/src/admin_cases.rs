@@ -1,18 +1,16 @@
-//! The operator's calls that change rows and markers: [`OutboxAdmin::requeue_parked`] and
-//! [`InboxAdmin::prune_markers`](outbox_core::InboxAdmin::prune_markers). They run from tools and
-//! schedules, on ids and ages an operator picked, beside relays and consumers at work; a call
-//! that reaches past what it names breaks a live lease, republishes a row, or lets a redelivery
-//! apply an effect again. Each case asks the call to do more than it may and reads back what it
-//! must have left alone.
+//! The operator's calls that change rows: [`OutboxAdmin::requeue_parked`](outbox_core::OutboxAdmin::requeue_parked).
+//! It runs from tools, on ids an operator picked (perhaps from a stale list), beside relays at
+//! work; a call that reaches past what it names breaks a live lease or republishes a row. The
+//! case asks it to do more than it may and reads back what it must have left alone.
 
 use std::time::Duration;
 
 use outbox_core::store::all_rows;
-use outbox_core::{Completion, Event, EventId, Inbox, InboxAdmin, ManualClock, MarkOutcome, Outcome, RowStatus};
+use outbox_core::{Completion, Event, EventId, ManualClock, Outcome, RowStatus};
 
 use crate::cases::{CaseResult, describe};
 use crate::harness::Harness;
-use crate::world::{CONSUMER, LEASE, unique_tag};
+use crate::world::{LEASE, unique_tag};
 
 /// [`OutboxAdmin::requeue_parked`](outbox_core::OutboxAdmin::requeue_parked): "ids that are not
 /// parked are ignored; returns how many rows were requeued", and "make parked rows pending again
@@ -91,73 +89,4 @@ pub(crate) async fn requeue_parked_ignores_rows_that_are_not_parked<H: Harness>(
     let o = fx.store.complete(leased, &c[1].lease).await?;
     ensure!(CASE, o == Completion::Published, "the leased row's owner completed it after requeue_parked: {o:?}");
     Ok(CaseResult::Passed("of four ids only the parked row was requeued, attempts reset; the rest unchanged".into()))
-}
-
-/// [`InboxAdmin::prune_markers`](outbox_core::InboxAdmin::prune_markers): "delete markers of
-/// `consumer` committed more than `older_than` ago (store clock)" and "deletes nothing younger
-/// than `older_than`; returns how many were deleted". Markers of two consumers, one young
-/// marker a millisecond on each side of the age; read back after each prune.
-pub(crate) async fn prune_markers_deletes_only_old_markers_of_its_consumer<H: Harness>(
-    h: &H,
-) -> outbox_core::Result<CaseResult> {
-    const CASE: &str = "inbox_prune_markers_deletes_only_old_markers_of_its_consumer";
-    const OTHER: &str = "suite-other-consumer";
-    const AGE: Duration = Duration::from_secs(5);
-    const MS: Duration = Duration::from_millis(1);
-    let clock = ManualClock::default();
-    let fx = h.fixture(CASE, clock.clone()).await?;
-    let tag = unique_tag();
-    let event = |i: usize| -> outbox_core::Result<Event> {
-        Ok(Event::new(EventId::new(format!("{CASE}.{tag}.e{i}"))?, fx.destination.clone(), vec![i as u8]))
-    };
-    let (e0, e1) = (event(0)?, event(1)?);
-    let inbox = &fx.inbox;
-    let commit_markers = |marks: Vec<(&'static str, Event)>| async move {
-        let mut tx = inbox.begin().await?;
-        for (consumer, e) in &marks {
-            let o = inbox.mark(&mut tx, consumer, &e.id, &e.fingerprint()).await?;
-            if o != MarkOutcome::New {
-                return Ok(Some(format!("marking {} for {consumer} answered {o:?}", e.id)));
-            }
-        }
-        inbox.commit(tx).await?;
-        Ok::<_, outbox_core::Error>(None)
-    };
-    let ids = |consumer: &'static str| async move {
-        Ok::<Vec<String>, outbox_core::Error>(
-            inbox.markers(consumer).await?.into_iter().map(|m| m.event_id.as_str().to_owned()).collect(),
-        )
-    };
-    if let Some(why) = commit_markers(vec![(CONSUMER, e0.clone()), (OTHER, e0.clone())]).await? {
-        return Ok(CaseResult::fail(CASE, "", why));
-    }
-    clock.advance(Duration::from_secs(10));
-    if let Some(why) = commit_markers(vec![(CONSUMER, e1.clone())]).await? {
-        return Ok(CaseResult::fail(CASE, "", why));
-    }
-    // e0's markers are 15 s old less a millisecond, e1's a millisecond younger than AGE.
-    clock.advance(AGE - MS);
-    let n = inbox.prune_markers(CONSUMER, AGE).await?;
-    let (ours, others) = (ids(CONSUMER).await?, ids(OTHER).await?);
-    ensure!(
-        CASE,
-        n == 1 && ours == [e1.id.as_str()] && others == [e0.id.as_str()],
-        "prune_markers({CONSUMER}, {AGE:?}) answered {n} and left {CONSUMER} with {ours:?}, {OTHER} with {others:?}; \
-         expected 1, [{}] (its marker younger by 1 ms kept) and [{}] (another consumer's markers are not pruned)",
-        e1.id,
-        e0.id
-    );
-    clock.advance(2 * MS);
-    let n = inbox.prune_markers(CONSUMER, AGE).await?;
-    let (ours, others) = (ids(CONSUMER).await?, ids(OTHER).await?);
-    ensure!(
-        CASE,
-        n == 1 && ours.is_empty() && others == [e0.id.as_str()],
-        "a millisecond past {AGE:?}, prune_markers answered {n} and left {CONSUMER} with {ours:?}, {OTHER} with \
-         {others:?}; expected 1, [] and [{}]",
-        e0.id
-    );
-    let n = inbox.prune_markers(CONSUMER, AGE).await?;
-    ensure!(CASE, n == 0, "a prune with nothing left to delete answered {n}");
-    Ok(CaseResult::Passed("only the consumer's markers older than the age were pruned, each counted".into()))
 }

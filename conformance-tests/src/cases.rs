@@ -439,6 +439,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "inbox_ledger_reads_back_the_last_committed_state",
+            class: "Inbox::ledger_state/set_ledger_state",
+            property: "Fresh when absent; each committed state overwrites the last (Attempted, Done, Fresh, \
+                       Attempted); per consumer; a dropped transaction's state is not kept",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "inbox_prune_markers_deletes_only_old_markers_of_its_consumer",
             class: "InboxAdmin::prune_markers",
             property: "deletes the named consumer's markers older than the age, not one a millisecond younger \
@@ -883,8 +891,11 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_requeue_parked_ignores_rows_that_are_not_parked" => {
                 crate::admin_cases::requeue_parked_ignores_rows_that_are_not_parked(harness).await
             }
+            "inbox_ledger_reads_back_the_last_committed_state" => {
+                crate::inbox_cases::ledger_reads_back_the_last_committed_state(harness).await
+            }
             "inbox_prune_markers_deletes_only_old_markers_of_its_consumer" => {
-                crate::admin_cases::prune_markers_deletes_only_old_markers_of_its_consumer(harness).await
+                crate::inbox_cases::prune_markers_deletes_only_old_markers_of_its_consumer(harness).await
             }
             "store_wakeup_signals_an_enqueue_once_a_claim_can_find_it" => {
                 crate::store_cases::wakeup_signals_an_enqueue_once_a_claim_can_find_it(harness).await

@@ -19,6 +19,7 @@ pub mod engines;
 pub mod explore;
 pub mod faults;
 pub mod harness;
+mod inbox_cases;
 pub mod invariants;
 pub mod mutants;
 mod order;

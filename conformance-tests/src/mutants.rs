@@ -111,6 +111,10 @@ pub enum Mutant {
     /// `prune_markers` that deletes every marker of the consumer, whatever its age (a delete
     /// without the age in its condition): a redelivery then applies the effect again.
     PruneMarkersIgnoresAge,
+    /// A notification ledger whose `set_ledger_state` writes only where there is no entry yet
+    /// (an insert that ignores conflicts instead of an upsert): `Done` is never recorded over
+    /// `Attempted`, so a redelivered notification that was done is dead-lettered as uncertain.
+    LedgerKeepsFirstState,
     /// A broker whose `declare` of a group that exists already starts it anew past everything
     /// published so far (a Redis group destroyed and created at `$`, an AMQP queue deleted and
     /// declared again): its unread and unacknowledged messages are lost.
@@ -163,7 +167,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 43] = [
+    pub const ALL: [Mutant; 44] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -190,6 +194,7 @@ impl Mutant {
         Mutant::PruneMarkersOfEveryConsumer,
         Mutant::PruneMarkersIgnoresAge,
         Mutant::RedeclareSkipsToTheEnd,
+        Mutant::LedgerKeepsFirstState,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -290,6 +295,7 @@ impl fmt::Display for Mutant {
             Self::RequeueCountsEveryId => "requeue_parked that counts every id given, parked or not",
             Self::PruneMarkersOfEveryConsumer => "prune_markers that deletes other consumers' old markers too",
             Self::PruneMarkersIgnoresAge => "prune_markers that deletes the consumer's markers whatever their age",
+            Self::LedgerKeepsFirstState => "notification ledger that never overwrites an entry",
             Self::RedeclareSkipsToTheEnd => "declare that starts an existing group anew past what was published",
             Self::RelayCompletesAThousandRowsOfABatch => {
                 "relay that completes 1,000 accepted rows of a batch and leaves the rest leased"
@@ -751,6 +757,11 @@ impl Inbox for MutantInbox {
     }
 
     async fn set_ledger_state(&self, tx: &mut MutantTx, c: &str, id: &EventId, s: LedgerState) -> Result<()> {
+        if self.mode == Mutant::LedgerKeepsFirstState
+            && self.inner.ledger_state(&mut tx.inner, c, id).await? != LedgerState::Fresh
+        {
+            return Ok(());
+        }
         self.inner.set_ledger_state(&mut tx.inner, c, id, s).await
     }
 

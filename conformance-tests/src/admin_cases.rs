@@ -1,12 +1,15 @@
-//! The operator's calls that change rows: [`OutboxAdmin::requeue_parked`](outbox_core::OutboxAdmin::requeue_parked).
-//! It runs from tools, on ids an operator picked (perhaps from a stale list), beside relays at
-//! work; a call that reaches past what it names breaks a live lease or republishes a row. The
-//! case asks it to do more than it may and reads back what it must have left alone.
+//! Row transitions outside a relay's claim–publish–complete loop: the operator's
+//! [`OutboxAdmin::requeue_parked`](outbox_core::OutboxAdmin::requeue_parked), run from tools on
+//! ids an operator picked (perhaps from a stale list) beside relays at work, and
+//! [`OutboxStore::extend`](outbox_core::OutboxStore::extend), which a relay with a slow publish
+//! calls to keep its lease. A requeue that reaches past what it names breaks a live lease or
+//! republishes a row; an extend that answers `Applied` without moving the lease lets another relay
+//! take a row that is still being published.
 
 use std::time::Duration;
 
 use outbox_core::store::all_rows;
-use outbox_core::{Completion, Event, EventId, ManualClock, Outcome, RowStatus};
+use outbox_core::{Clock, Completion, Event, EventId, ManualClock, Outcome, RowStatus};
 
 use crate::cases::{CaseResult, describe};
 use crate::harness::Harness;
@@ -89,4 +92,49 @@ pub(crate) async fn requeue_parked_ignores_rows_that_are_not_parked<H: Harness>(
     let o = fx.store.complete(leased, &c[1].lease).await?;
     ensure!(CASE, o == Completion::Published, "the leased row's owner completed it after requeue_parked: {o:?}");
     Ok(CaseResult::Passed("of four ids only the parked row was requeued, attempts reset; the rest unchanged".into()))
+}
+
+/// [`OutboxStore::extend`](outbox_core::OutboxStore::extend): "extend a lease to `now + by`
+/// (store clock)" and "the token does not change". Extended halfway through its lease, a row is
+/// not claimable past the original expiry, reads back with the new expiry and its token, and
+/// completes with the lease it was claimed with.
+pub(crate) async fn extend_moves_the_lease_and_keeps_the_token<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_extend_moves_the_lease_and_keeps_the_token";
+    let clock = ManualClock::default();
+    let fx = h.fixture(CASE, clock.clone()).await?;
+    let e = Event::new(EventId::new(format!("{CASE}.{}", unique_tag()))?, fx.destination.clone(), b"x".to_vec());
+    let row = fx.store.enqueue(std::slice::from_ref(&e)).await?[0];
+    let c = fx.store.claim("relay-A", 1, LEASE).await?;
+    ensure!(CASE, c.len() == 1, "a claim returned {} rows", c.len());
+    clock.advance(LEASE / 2);
+    let o = fx.store.extend(row, &c[0].lease, LEASE).await?;
+    ensure!(CASE, o == Outcome::Applied, "extend with the live lease was {o:?}");
+    let expected = clock.now().plus(LEASE);
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let r = rows.iter().find(|r| r.row_id == row);
+    ensure!(
+        CASE,
+        r.is_some_and(|r| r.status == RowStatus::Leased
+            && r.owner.as_deref() == Some("relay-A")
+            && r.token == c[0].lease.token
+            && r.lease_expires_at == Some(expected)),
+        "after extend by {LEASE:?} halfway through the lease the row reads back as {} expiring at {:?}; expected \
+         leased to relay-A with token {} expiring at {expected:?}",
+        r.map_or("missing".to_string(), describe),
+        r.and_then(|r| r.lease_expires_at),
+        c[0].lease.token
+    );
+    // Past the expiry the claim gave, before the extended one.
+    clock.advance(LEASE * 3 / 4);
+    let taken = fx.store.claim("relay-B", 1, LEASE).await?;
+    ensure!(
+        CASE,
+        taken.is_empty(),
+        "past the claim's expiry but inside the extended lease, relay-B claimed {:?} (token {:?})",
+        taken.iter().map(|c| c.record.row_id).collect::<Vec<_>>(),
+        taken.iter().map(|c| c.lease.token).collect::<Vec<_>>()
+    );
+    let o = fx.store.complete(row, &c[0].lease).await?;
+    ensure!(CASE, o == Completion::Published, "completing with the lease the row was claimed with: {o:?}");
+    Ok(CaseResult::Passed("the extended lease held past the claim's expiry; same token, completed".into()))
 }

@@ -431,6 +431,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_extend_moves_the_lease_and_keeps_the_token",
+            class: "OutboxStore::extend",
+            property: "extended halfway, a lease reads back as now + by with its token, holds off another claim \
+                       past the claim's expiry, and completes with the lease the row was claimed with",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_requeue_parked_ignores_rows_that_are_not_parked",
             class: "OutboxAdmin::requeue_parked",
             property: "of a published, a leased, a backing-off and a parked row only the parked one is requeued \
@@ -888,6 +896,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
                 store_enqueue_rejects_a_bad_batch_beside_other_enqueues(harness).await
             }
             "store_stats" => store_stats(harness).await,
+            "store_extend_moves_the_lease_and_keeps_the_token" => {
+                crate::admin_cases::extend_moves_the_lease_and_keeps_the_token(harness).await
+            }
             "store_requeue_parked_ignores_rows_that_are_not_parked" => {
                 crate::admin_cases::requeue_parked_ignores_rows_that_are_not_parked(harness).await
             }

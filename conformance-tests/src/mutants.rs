@@ -111,6 +111,9 @@ pub enum Mutant {
     /// `prune_markers` that deletes every marker of the consumer, whatever its age (a delete
     /// without the age in its condition): a redelivery then applies the effect again.
     PruneMarkersIgnoresAge,
+    /// `extend` that checks the lease and answers `Applied` without moving it: a relay keeping a
+    /// slow publish's lease loses the row to another relay at the claim's expiry.
+    ExtendDoesNotMoveTheLease,
     /// A notification ledger whose `set_ledger_state` writes only where there is no entry yet
     /// (an insert that ignores conflicts instead of an upsert): `Done` is never recorded over
     /// `Attempted`, so a redelivered notification that was done is dead-lettered as uncertain.
@@ -167,7 +170,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 44] = [
+    pub const ALL: [Mutant; 45] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -195,6 +198,7 @@ impl Mutant {
         Mutant::PruneMarkersIgnoresAge,
         Mutant::RedeclareSkipsToTheEnd,
         Mutant::LedgerKeepsFirstState,
+        Mutant::ExtendDoesNotMoveTheLease,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -295,6 +299,7 @@ impl fmt::Display for Mutant {
             Self::RequeueCountsEveryId => "requeue_parked that counts every id given, parked or not",
             Self::PruneMarkersOfEveryConsumer => "prune_markers that deletes other consumers' old markers too",
             Self::PruneMarkersIgnoresAge => "prune_markers that deletes the consumer's markers whatever their age",
+            Self::ExtendDoesNotMoveTheLease => "extend that answers Applied without moving the lease",
             Self::LedgerKeepsFirstState => "notification ledger that never overwrites an entry",
             Self::RedeclareSkipsToTheEnd => "declare that starts an existing group anew past what was published",
             Self::RelayCompletesAThousandRowsOfABatch => {
@@ -601,6 +606,21 @@ impl OutboxStore for MutantStore {
 
     async fn extend(&self, row: RowId, lease: &Lease, by: Duration) -> Result<Outcome> {
         let lease = self.translate(row, lease).await?;
+        if self.mode == Mutant::ExtendDoesNotMoveTheLease {
+            // The token check, then the expiry put back where it was: extended to "now" (which
+            // reads the store's clock back), then by what was left.
+            let expiry = |rows: Vec<RowSnapshot>| rows.into_iter().find(|r| r.row_id == row)?.lease_expires_at;
+            let Some(before) = expiry(all_rows(&self.inner).await?) else {
+                return self.inner.extend(row, &lease, by).await;
+            };
+            let o = self.inner.extend(row, &lease, Duration::ZERO).await?;
+            if o == Outcome::Applied
+                && let Some(now) = expiry(all_rows(&self.inner).await?)
+            {
+                let _ = self.inner.extend(row, &lease, before.since(now)).await?;
+            }
+            return Ok(o);
+        }
         self.inner.extend(row, &lease, by).await
     }
 

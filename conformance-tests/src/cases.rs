@@ -455,6 +455,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "inbox_advance_version_is_stale_for_an_equal_version",
+            class: "Inbox::advance_version",
+            property: "Advanced when absent or older, Stale when equal or newer (a redelivered projection event), \
+                       per consumer",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "inbox_prune_markers_deletes_only_old_markers_of_its_consumer",
             class: "InboxAdmin::prune_markers",
             property: "deletes the named consumer's markers older than the age, not one a millisecond younger \
@@ -904,6 +912,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             }
             "inbox_ledger_reads_back_the_last_committed_state" => {
                 crate::inbox_cases::ledger_reads_back_the_last_committed_state(harness).await
+            }
+            "inbox_advance_version_is_stale_for_an_equal_version" => {
+                crate::inbox_cases::advance_version_is_stale_for_an_equal_version(harness).await
             }
             "inbox_prune_markers_deletes_only_old_markers_of_its_consumer" => {
                 crate::inbox_cases::prune_markers_deletes_only_old_markers_of_its_consumer(harness).await

@@ -1,13 +1,14 @@
 //! The inbox's own calls, driven directly on committed state: the notification ledger
-//! ([`Inbox::ledger_state`], [`Inbox::set_ledger_state`]) and marker pruning
-//! ([`InboxAdmin::prune_markers`]). The consumer runtime trusts both blindly: a ledger that does
+//! ([`Inbox::ledger_state`], [`Inbox::set_ledger_state`]), projection versions
+//! ([`Inbox::advance_version`]) and marker pruning ([`InboxAdmin::prune_markers`]). The consumer runtime trusts both blindly: a ledger that does
 //! not read back the last committed state repeats an external call (an email, a charge) or
-//! dead-letters one that was done; a prune that reaches past its consumer or its age lets a
+//! dead-letters one that was done; a version that advances on an equal one applies a redelivered
+//! projection event again; a prune that reaches past its consumer or its age lets a
 //! redelivery apply an effect again.
 
 use std::time::Duration;
 
-use outbox_core::{Event, EventId, Inbox, InboxAdmin, LedgerState, ManualClock, MarkOutcome};
+use outbox_core::{Event, EventId, Inbox, InboxAdmin, LedgerState, ManualClock, MarkOutcome, VersionOutcome};
 
 use crate::cases::CaseResult;
 use crate::harness::Harness;
@@ -128,4 +129,44 @@ pub(crate) async fn prune_markers_deletes_only_old_markers_of_its_consumer<H: Ha
     let n = inbox.prune_markers(CONSUMER, AGE).await?;
     ensure!(CASE, n == 0, "a prune with nothing left to delete answered {n}");
     Ok(CaseResult::Passed("only the consumer's markers older than the age were pruned, each counted".into()))
+}
+
+/// [`Inbox::advance_version`]: "`Advanced` when absent or older (the new version is written in
+/// `tx`)" and "`Stale` when the stored version is equal or newer: nothing is written". A
+/// projection event redelivered carries the version it had: only `Stale` keeps the runtime from
+/// applying it again.
+pub(crate) async fn advance_version_is_stale_for_an_equal_version<H: Harness>(
+    h: &H,
+) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "inbox_advance_version_is_stale_for_an_equal_version";
+    const OTHER: &str = "suite-other-consumer";
+    let fx = h.fixture(CASE, ManualClock::default()).await?;
+    let inbox = &fx.inbox;
+    let subject = format!("{CASE}.{}", unique_tag());
+    let subject = subject.as_str();
+    // Each offer in a transaction of its own, committed: what one delivery's guard does.
+    let offer = |consumer: &'static str, version: u64| async move {
+        let mut tx = inbox.begin().await?;
+        let o = inbox.advance_version(&mut tx, consumer, subject, version).await?;
+        inbox.commit(tx).await?;
+        Ok::<_, outbox_core::Error>(o)
+    };
+    let steps: [(&'static str, u64, VersionOutcome); 6] = [
+        (CONSUMER, 5, VersionOutcome::Advanced { previous: None }),
+        (CONSUMER, 5, VersionOutcome::Stale { current: 5 }),
+        (CONSUMER, 4, VersionOutcome::Stale { current: 5 }),
+        (OTHER, 5, VersionOutcome::Advanced { previous: None }),
+        (CONSUMER, 6, VersionOutcome::Advanced { previous: Some(5) }),
+        (CONSUMER, 6, VersionOutcome::Stale { current: 6 }),
+    ];
+    for (i, (consumer, version, expected)) in steps.into_iter().enumerate() {
+        let got = offer(consumer, version).await?;
+        ensure!(
+            CASE,
+            got == expected,
+            "offer {} ({consumer} at version {version}) answered {got:?}, expected {expected:?}",
+            i + 1
+        );
+    }
+    Ok(CaseResult::Passed("5 advanced, 5 and 4 stale, another consumer's 5 advanced, 6 advanced, 6 stale".into()))
 }

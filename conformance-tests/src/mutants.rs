@@ -111,6 +111,9 @@ pub enum Mutant {
     /// `prune_markers` that deletes every marker of the consumer, whatever its age (a delete
     /// without the age in its condition): a redelivery then applies the effect again.
     PruneMarkersIgnoresAge,
+    /// `advance_version` that advances on an equal version (`<=` where `<` belongs): a
+    /// redelivered projection event is applied again.
+    AdvanceVersionOnEqual,
     /// `extend` that checks the lease and answers `Applied` without moving it: a relay keeping a
     /// slow publish's lease loses the row to another relay at the claim's expiry.
     ExtendDoesNotMoveTheLease,
@@ -170,7 +173,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 45] = [
+    pub const ALL: [Mutant; 46] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -199,6 +202,7 @@ impl Mutant {
         Mutant::RedeclareSkipsToTheEnd,
         Mutant::LedgerKeepsFirstState,
         Mutant::ExtendDoesNotMoveTheLease,
+        Mutant::AdvanceVersionOnEqual,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -299,6 +303,7 @@ impl fmt::Display for Mutant {
             Self::RequeueCountsEveryId => "requeue_parked that counts every id given, parked or not",
             Self::PruneMarkersOfEveryConsumer => "prune_markers that deletes other consumers' old markers too",
             Self::PruneMarkersIgnoresAge => "prune_markers that deletes the consumer's markers whatever their age",
+            Self::AdvanceVersionOnEqual => "advance_version that advances on an equal version",
             Self::ExtendDoesNotMoveTheLease => "extend that answers Applied without moving the lease",
             Self::LedgerKeepsFirstState => "notification ledger that never overwrites an entry",
             Self::RedeclareSkipsToTheEnd => "declare that starts an existing group anew past what was published",
@@ -769,7 +774,12 @@ impl Inbox for MutantInbox {
     }
 
     async fn advance_version(&self, tx: &mut MutantTx, c: &str, s: &str, v: u64) -> Result<VersionOutcome> {
-        self.inner.advance_version(&mut tx.inner, c, s, v).await
+        match self.inner.advance_version(&mut tx.inner, c, s, v).await? {
+            VersionOutcome::Stale { current } if self.mode == Mutant::AdvanceVersionOnEqual && current == v => {
+                Ok(VersionOutcome::Advanced { previous: Some(current) })
+            }
+            o => Ok(o),
+        }
     }
 
     async fn ledger_state(&self, tx: &mut MutantTx, c: &str, id: &EventId) -> Result<LedgerState> {

@@ -26,10 +26,7 @@ pub(crate) async fn requeue_parked_ignores_rows_that_are_not_parked<H: Harness>(
     const BACKOFF: Duration = Duration::from_secs(10);
     let clock = ManualClock::default();
     let fx = h.fixture(CASE, clock.clone()).await?;
-    let tag = unique_tag();
-    let events: Vec<Event> = (0..4)
-        .map(|i| Ok(Event::new(EventId::new(format!("{CASE}.{tag}.{i}"))?, fx.destination.clone(), vec![i as u8])))
-        .collect::<outbox_core::Result<_>>()?;
+    let events = crate::cases::numbered_events(CASE, &fx.destination, 4)?;
     let rows = fx.store.enqueue(&events).await?;
     let (published, leased, failed, parked) = (rows[0], rows[1], rows[2], rows[3]);
     let c = fx.store.claim("relay-A", 4, LEASE).await?;

@@ -1467,6 +1467,14 @@ macro_rules! first {
     }};
 }
 
+/// `n` keyless events for `destination`, ids `<case>.<unique tag>.<i>`, payload byte `i`.
+pub(crate) fn numbered_events(case: &str, destination: &Destination, n: usize) -> outbox_core::Result<Vec<Event>> {
+    let tag = crate::world::unique_tag();
+    (0..n)
+        .map(|i| Ok(Event::new(EventId::new(format!("{case}.{tag}.{i}"))?, destination.clone(), vec![i as u8])))
+        .collect()
+}
+
 async fn store_fixture<H: Harness>(
     h: &H,
     case: &str,
@@ -1474,10 +1482,7 @@ async fn store_fixture<H: Harness>(
 ) -> outbox_core::Result<(crate::harness::Fixture<H::Inbox>, ManualClock, Vec<Event>)> {
     let clock = ManualClock::default();
     let fx = h.fixture(case, clock.clone()).await?;
-    let tag = crate::world::unique_tag();
-    let events: Vec<Event> = (0..n)
-        .map(|i| Ok(Event::new(EventId::new(format!("{case}.{tag}.{i}"))?, fx.destination.clone(), vec![i as u8])))
-        .collect::<outbox_core::Result<_>>()?;
+    let events = numbered_events(case, &fx.destination, n)?;
     fx.store.enqueue(&events).await?;
     Ok((fx, clock, events))
 }

@@ -192,10 +192,7 @@ pub(crate) async fn wakeup_signals_an_enqueue_once_a_claim_can_find_it<H: Harnes
     let Some(mut wakeup) = fx.store.wakeup() else {
         return Ok(CaseResult::Skipped(Capability::Wakeup));
     };
-    let tag = unique_tag();
-    let events: Vec<Event> = (0..ROWS)
-        .map(|i| Ok(Event::new(EventId::new(format!("{CASE}.{tag}.{i}"))?, fx.destination.clone(), vec![i as u8])))
-        .collect::<outbox_core::Result<_>>()?;
+    let events = crate::cases::numbered_events(CASE, &fx.destination, ROWS)?;
     // An idle relay: it marked the signals seen and its claim found nothing.
     wakeup.mark_seen();
     let none = fx.store.claim("relay-A", ROWS, LEASE).await?;
@@ -227,7 +224,7 @@ pub(crate) async fn wakeup_signals_an_enqueue_once_a_claim_can_find_it<H: Harnes
     }
     let rows = match tokio::time::timeout(SIGNAL_WAIT, enqueue).await {
         Ok(Ok(rows)) => rows?,
-        Ok(Err(e)) => panic!("{CASE}: the enqueue task failed: {e}"),
+        Ok(Err(e)) => return Ok(CaseResult::fail(CASE, "", format!("the enqueue task did not finish: {e}"))),
         Err(_) => {
             return Ok(CaseResult::fail(
                 CASE,

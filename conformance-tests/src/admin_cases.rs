@@ -1,15 +1,21 @@
-//! Row transitions outside a relay's claim–publish–complete loop: the operator's
-//! [`OutboxAdmin::requeue_parked`](outbox_core::OutboxAdmin::requeue_parked), run from tools on
-//! ids an operator picked (perhaps from a stale list) beside relays at work, and
+//! Row transitions outside a relay's claim–publish–complete loop, and the operator's reads: the
+//! operator's [`OutboxAdmin::requeue_parked`](outbox_core::OutboxAdmin::requeue_parked), run from
+//! tools on ids an operator picked (perhaps from a stale list) beside relays at work, and
 //! [`OutboxStore::extend`](outbox_core::OutboxStore::extend), which a relay with a slow publish
 //! calls to keep its lease. A requeue that reaches past what it names breaks a live lease or
 //! republishes a row; an extend that answers `Applied` without moving the lease lets another relay
-//! take a row that is still being published.
+//! take a row that is still being published. [`OutboxAdmin::list_parked`] and
+//! [`OutboxAdmin::inspect`] are what those tools page through: a page that ignores its limit
+//! reads a whole table into a tool's memory, and one out of row-id order makes a tool that pages
+//! by the last id it saw skip rows.
+//!
+//! [`OutboxAdmin::list_parked`]: outbox_core::OutboxAdmin::list_parked
+//! [`OutboxAdmin::inspect`]: outbox_core::OutboxAdmin::inspect
 
 use std::time::Duration;
 
 use outbox_core::store::all_rows;
-use outbox_core::{Clock, Completion, Event, EventId, ManualClock, Outcome, RowStatus};
+use outbox_core::{Clock, Completion, Event, EventId, ManualClock, Outcome, RowId, RowStatus};
 
 use crate::cases::{CaseResult, describe};
 use crate::harness::Harness;
@@ -134,4 +140,86 @@ pub(crate) async fn extend_moves_the_lease_and_keeps_the_token<H: Harness>(h: &H
     let o = fx.store.complete(row, &c[0].lease).await?;
     ensure!(CASE, o == Completion::Published, "completing with the lease the row was claimed with: {o:?}");
     Ok(CaseResult::Passed("the extended lease held past the claim's expiry; same token, completed".into()))
+}
+
+/// [`OutboxAdmin::list_parked`](outbox_core::OutboxAdmin::list_parked): "at most `limit` rows, in
+/// row-id order", each with its reason and park time (store clock); and
+/// [`OutboxAdmin::inspect`](outbox_core::OutboxAdmin::inspect): "at most `limit` rows with
+/// `row_id > after`", in row-id order. Three of five rows are parked newest row first, a second
+/// apart; both reads are asked for fewer rows than there are.
+pub(crate) async fn admin_reads_at_most_limit_in_row_id_order<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_admin_reads_at_most_limit_in_row_id_order";
+    let clock = ManualClock::default();
+    let fx = h.fixture(CASE, clock.clone()).await?;
+    let events = crate::cases::numbered_events(CASE, &fx.destination, 5)?;
+    let rows = fx.store.enqueue(&events).await?;
+    let c = fx.store.claim("relay-A", 5, LEASE).await?;
+    ensure!(CASE, c.len() == 5, "a claim of 5 returned {} rows", c.len());
+    let mut parked_at = Vec::new();
+    for i in [4, 3, 1] {
+        clock.advance(Duration::from_secs(1));
+        let lease = &c.iter().find(|c| c.record.row_id == rows[i]).expect("claimed above").lease;
+        let o = fx.store.park(rows[i], lease, &format!("reason {i}")).await?;
+        ensure!(CASE, o == Outcome::Applied, "park of row {} was {o:?}", rows[i]);
+        parked_at.push((rows[i], clock.now()));
+    }
+    let ids = |p: &[outbox_core::ParkedRow]| p.iter().map(|p| p.record.row_id).collect::<Vec<RowId>>();
+    let two = fx.store.list_parked(2).await?;
+    ensure!(
+        CASE,
+        ids(&two) == [rows[1], rows[3]],
+        "list_parked(2) returned rows {:?}; expected the first two parked rows by row id, {:?} (rows {:?} were \
+         parked, the last first)",
+        ids(&two),
+        [rows[1], rows[3]],
+        [rows[4], rows[3], rows[1]]
+    );
+    let all = fx.store.list_parked(10).await?;
+    ensure!(
+        CASE,
+        ids(&all) == [rows[1], rows[3], rows[4]],
+        "list_parked(10) returned rows {:?}, expected {:?}",
+        ids(&all),
+        [rows[1], rows[3], rows[4]]
+    );
+    for p in &all {
+        let i = rows.iter().position(|r| *r == p.record.row_id).expect("checked above");
+        let at = parked_at.iter().find(|(r, _)| *r == p.record.row_id).map(|(_, at)| *at);
+        ensure!(
+            CASE,
+            p.reason == format!("reason {i}") && Some(p.parked_at) == at && p.record.event == events[i],
+            "parked row {} reads back with reason {:?} parked at {:?} and event {}; expected reason {:?}, parked at \
+             {at:?} (the store clock when it was parked) and event {}",
+            p.record.row_id,
+            p.reason,
+            p.parked_at,
+            p.record.event.id,
+            format!("reason {i}"),
+            events[i].id
+        );
+    }
+    let page = fx.store.inspect(rows[0], 2).await?;
+    let page_ids: Vec<RowId> = page.iter().map(|r| r.row_id).collect();
+    ensure!(
+        CASE,
+        page_ids == [rows[1], rows[2]],
+        "inspect(after {}, limit 2) returned rows {page_ids:?}; expected the next two by row id, {:?}",
+        rows[0],
+        [rows[1], rows[2]]
+    );
+    ensure!(
+        CASE,
+        page[0].status == RowStatus::Parked && page[1].status == RowStatus::Leased && page[1].event == events[2],
+        "inspect's page reads back as [{}, {}], expected the parked row {} and the leased row {}",
+        describe(&page[0]),
+        describe(&page[1]),
+        rows[1],
+        rows[2]
+    );
+    let last = fx.store.inspect(rows[3], 10).await?;
+    let last_ids: Vec<RowId> = last.iter().map(|r| r.row_id).collect();
+    ensure!(CASE, last_ids == [rows[4]], "inspect(after {}, limit 10) returned rows {last_ids:?}", rows[3]);
+    Ok(CaseResult::Passed(
+        "list_parked and inspect kept their limits and row-id order; park times and reasons kept".into(),
+    ))
 }

@@ -439,6 +439,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_admin_reads_at_most_limit_in_row_id_order",
+            class: "OutboxAdmin::list_parked, OutboxAdmin::inspect",
+            property: "list_parked and inspect return at most their limit, in row-id order (inspect after the id \
+                       given), whatever order rows were parked in; each parked row keeps its reason and park time",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_requeue_parked_ignores_rows_that_are_not_parked",
             class: "OutboxAdmin::requeue_parked",
             property: "of a published, a leased, a backing-off and a parked row only the parked one is requeued \
@@ -906,6 +914,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_stats" => store_stats(harness).await,
             "store_extend_moves_the_lease_and_keeps_the_token" => {
                 crate::admin_cases::extend_moves_the_lease_and_keeps_the_token(harness).await
+            }
+            "store_admin_reads_at_most_limit_in_row_id_order" => {
+                crate::admin_cases::admin_reads_at_most_limit_in_row_id_order(harness).await
             }
             "store_requeue_parked_ignores_rows_that_are_not_parked" => {
                 crate::admin_cases::requeue_parked_ignores_rows_that_are_not_parked(harness).await

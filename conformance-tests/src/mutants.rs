@@ -114,6 +114,14 @@ pub enum Mutant {
     /// `advance_version` that advances on an equal version (`<=` where `<` belongs): a
     /// redelivered projection event is applied again.
     AdvanceVersionOnEqual,
+    /// `list_parked` that returns every parked row, whatever the limit (a query without its
+    /// `LIMIT`): a tool paging through dead letters reads the whole table at once.
+    ListParkedIgnoresLimit,
+    /// `list_parked` that returns the most recent rows first (ordered by id descending): a tool
+    /// paging by the last id it saw skips rows.
+    ListParkedNewestFirst,
+    /// `inspect` that returns every row after `after`, whatever the limit.
+    InspectIgnoresLimit,
     /// `extend` that checks the lease and answers `Applied` without moving it: a relay keeping a
     /// slow publish's lease loses the row to another relay at the claim's expiry.
     ExtendDoesNotMoveTheLease,
@@ -173,7 +181,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 46] = [
+    pub const ALL: [Mutant; 49] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -203,6 +211,9 @@ impl Mutant {
         Mutant::LedgerKeepsFirstState,
         Mutant::ExtendDoesNotMoveTheLease,
         Mutant::AdvanceVersionOnEqual,
+        Mutant::ListParkedIgnoresLimit,
+        Mutant::ListParkedNewestFirst,
+        Mutant::InspectIgnoresLimit,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -304,6 +315,9 @@ impl fmt::Display for Mutant {
             Self::PruneMarkersOfEveryConsumer => "prune_markers that deletes other consumers' old markers too",
             Self::PruneMarkersIgnoresAge => "prune_markers that deletes the consumer's markers whatever their age",
             Self::AdvanceVersionOnEqual => "advance_version that advances on an equal version",
+            Self::ListParkedIgnoresLimit => "list_parked that returns every parked row, whatever the limit",
+            Self::ListParkedNewestFirst => "list_parked that returns the newest rows first",
+            Self::InspectIgnoresLimit => "inspect that returns every later row, whatever the limit",
             Self::ExtendDoesNotMoveTheLease => "extend that answers Applied without moving the lease",
             Self::LedgerKeepsFirstState => "notification ledger that never overwrites an entry",
             Self::RedeclareSkipsToTheEnd => "declare that starts an existing group anew past what was published",
@@ -645,7 +659,16 @@ impl OutboxStore for MutantStore {
 #[async_trait]
 impl OutboxAdmin for MutantStore {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedRow>> {
-        let mut rows = self.inner.list_parked(limit).await?;
+        let mut rows = match self.mode {
+            Mutant::ListParkedIgnoresLimit => self.inner.list_parked(usize::MAX).await?,
+            Mutant::ListParkedNewestFirst => {
+                let mut all = self.inner.list_parked(usize::MAX).await?;
+                all.reverse();
+                all.truncate(limit);
+                all
+            }
+            _ => self.inner.list_parked(limit).await?,
+        };
         for r in &mut rows {
             self.rekey(&mut r.record.event);
         }
@@ -676,6 +699,7 @@ impl OutboxAdmin for MutantStore {
     }
 
     async fn inspect(&self, after: RowId, limit: usize) -> Result<Vec<RowSnapshot>> {
+        let limit = if self.mode == Mutant::InspectIgnoresLimit { usize::MAX } else { limit };
         let mut rows = self.inner.inspect(after, limit).await?;
         let uncommitted = lock(&self.uncommitted).clone();
         rows.retain(|r| !uncommitted.contains(&r.row_id));

@@ -605,6 +605,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "subscription_next_rejects_a_foreign_message_and_goes_on",
+            class: "Subscription::next",
+            property: "a foreign message before an event is reported by next as a permanent Corrupt error and \
+                       rejected: the next call returns the event, and a new member of the group receives neither",
+            needs: &[Capability::ForeignMessages],
+            body: Function,
+        },
+        Case {
             name: "foreign_message_redelivered_is_recorded_once",
             class: "Subscription::receive / Consumer::process_foreign",
             property: "a foreign message recorded and then redelivered (the acknowledgement was lost) is \
@@ -954,6 +962,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "foreign_message_is_handed_out_not_an_error" => foreign_messages_mixed(harness, engines).await,
             "foreign_message_is_unacknowledged_until_settled" => {
                 foreign_message_unacknowledged_until_recorded(harness, engines).await
+            }
+            "subscription_next_rejects_a_foreign_message_and_goes_on" => {
+                subscription_next_rejects_a_foreign_message_and_goes_on(harness).await
             }
             "foreign_message_redelivered_is_recorded_once" => {
                 foreign_message_redelivered_recorded_once(harness, engines).await
@@ -2819,6 +2830,82 @@ async fn with_one_foreign<H: Harness>(
         }
     }
     Ok(Err(CaseResult::fail(case, "", "the harness could write no foreign message")))
+}
+
+/// `Subscription::next`: "a foreign message is rejected (acknowledged, or sent to the broker's
+/// own dead-letter route) without any record, and reported as a permanent `Corrupt` error naming
+/// its position and problem; the next call goes on after it". A caller that only wants events
+/// (its own loop, not the consumer runtime) must hear of the message it loses, must not meet it
+/// again, and must not be stopped by it.
+async fn subscription_next_rejects_a_foreign_message_and_goes_on<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "subscription_next_rejects_a_foreign_message_and_goes_on";
+    let (fx, wait, _payload, kind) = match with_one_foreign(h, CASE).await? {
+        Ok(setup) => setup,
+        Err(failed) => return Ok(failed),
+    };
+    let e = Event::new(
+        EventId::new(format!("{CASE}.{}", crate::world::unique_tag()))?,
+        fx.destination.clone(),
+        b"after the foreign one".to_vec(),
+    );
+    fx.broker.publish(&e).await?;
+    let mut sub = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    // A fresh member may have to join its group first: several calls within a deadline.
+    let deadline = Instant::now() + wait.max(Duration::from_millis(200)) * 3;
+    let reported = loop {
+        match crate::world::next_bounded(sub.as_mut(), wait.max(Duration::from_millis(10))).await {
+            Err(err) if err.kind() == ErrorKind::Timeout && err.backend() == "suite" => return Err(err),
+            Err(err) => break err,
+            Ok(Some(d)) => {
+                return Ok(CaseResult::fail(
+                    CASE,
+                    "",
+                    format!(
+                        "next returned {} first, without reporting the {kind} message written before it (it is lost \
+                         and nobody hears of it)",
+                        d.event.id
+                    ),
+                ));
+            }
+            Ok(None) if Instant::now() >= deadline => {
+                return Ok(CaseResult::fail(CASE, "", format!("next returned nothing: the {kind} message never came")));
+            }
+            Ok(None) => {}
+        }
+    };
+    ensure!(
+        CASE,
+        reported.kind() == ErrorKind::Corrupt && reported.is_permanent(),
+        "next reported the {kind} message as {:?} ({:?}): {reported}; expected a permanent Corrupt error",
+        reported.kind(),
+        reported.retry()
+    );
+    let after = receive_within(sub.as_mut(), wait).await?;
+    let Some(after) = after else {
+        return Ok(CaseResult::fail(
+            CASE,
+            "",
+            format!("after reporting the {kind} message next returned nothing; {} was published after it", e.id),
+        ));
+    };
+    ensure!(CASE, after.event == e, "after the {kind} message next returned {}, expected {}", after.event.id, e.id);
+    after.ack().await?;
+    drop(sub);
+    let broker = (fx.restart_broker)();
+    let mut again = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let back = first_received(again.as_mut(), wait).await?;
+    let back = back.map(|r| match r {
+        outbox_core::Received::Event(d) => format!("event {}", d.event.id),
+        outbox_core::Received::Foreign(f) => format!("the foreign message at {} ({:?})", f.message.position, f.problem),
+    });
+    ensure!(
+        CASE,
+        back.is_none(),
+        "after next reported the {kind} message and the event was acknowledged, a new member of the group \
+         received {}: next did not reject what it reported",
+        back.unwrap_or_default()
+    );
+    Ok(CaseResult::Passed(format!("{kind}: reported as {reported}; the event after it received; nothing came back")))
 }
 
 async fn foreign_message_unacknowledged_until_recorded<H: Harness>(

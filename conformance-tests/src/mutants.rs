@@ -122,6 +122,12 @@ pub enum Mutant {
     ListParkedNewestFirst,
     /// `inspect` that returns every row after `after`, whatever the limit.
     InspectIgnoresLimit,
+    /// A subscription whose `next` reports a foreign message as an error without rejecting it:
+    /// the message stays unacknowledged and comes back to the group, to be reported again.
+    NextLeavesForeignUnacknowledged,
+    /// A subscription whose `next` rejects a foreign message and returns the event after it,
+    /// reporting nothing: the message is lost and nobody hears of it.
+    NextSkipsForeignSilently,
     /// `extend` that checks the lease and answers `Applied` without moving it: a relay keeping a
     /// slow publish's lease loses the row to another relay at the claim's expiry.
     ExtendDoesNotMoveTheLease,
@@ -181,7 +187,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 49] = [
+    pub const ALL: [Mutant; 51] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -214,6 +220,8 @@ impl Mutant {
         Mutant::ListParkedIgnoresLimit,
         Mutant::ListParkedNewestFirst,
         Mutant::InspectIgnoresLimit,
+        Mutant::NextLeavesForeignUnacknowledged,
+        Mutant::NextSkipsForeignSilently,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -318,6 +326,8 @@ impl fmt::Display for Mutant {
             Self::ListParkedIgnoresLimit => "list_parked that returns every parked row, whatever the limit",
             Self::ListParkedNewestFirst => "list_parked that returns the newest rows first",
             Self::InspectIgnoresLimit => "inspect that returns every later row, whatever the limit",
+            Self::NextLeavesForeignUnacknowledged => "next that reports a foreign message without rejecting it",
+            Self::NextSkipsForeignSilently => "next that rejects a foreign message without reporting it",
             Self::ExtendDoesNotMoveTheLease => "extend that answers Applied without moving the lease",
             Self::LedgerKeepsFirstState => "notification ledger that never overwrites an entry",
             Self::RedeclareSkipsToTheEnd => "declare that starts an existing group anew past what was published",
@@ -930,6 +940,56 @@ impl Broker for AckOnReceipt {
     }
 }
 
+/// [`Mutant::NextLeavesForeignUnacknowledged`], [`Mutant::NextSkipsForeignSilently`]: the
+/// reference broker whose subscriptions override `Subscription::next`.
+struct WrongNext {
+    inner: MemoryBroker,
+    mode: Mutant,
+}
+
+struct WrongNextSubscription {
+    inner: Box<dyn Subscription>,
+    mode: Mutant,
+}
+
+#[async_trait]
+impl Subscription for WrongNextSubscription {
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
+        self.inner.receive(wait).await
+    }
+
+    async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>> {
+        // Bounded: a log of foreign messages only ends the call with nothing.
+        for _ in 0..1_000 {
+            match self.inner.receive(wait).await? {
+                None => return Ok(None),
+                Some(Received::Event(d)) => return Ok(Some(d)),
+                Some(Received::Foreign(f)) if self.mode == Mutant::NextLeavesForeignUnacknowledged => {
+                    return Err(f.error()); // dropped unsettled: held until the subscription goes
+                }
+                Some(Received::Foreign(f)) => f.reject().await?,
+            }
+        }
+        Ok(None)
+    }
+}
+
+#[async_trait]
+impl Broker for WrongNext {
+    fn backend(&self) -> &'static str {
+        "mutant"
+    }
+    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> Result<()> {
+        self.inner.declare(d, g).await
+    }
+    async fn publish(&self, e: &Event) -> Result<()> {
+        self.inner.publish(e).await
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        Ok(Box::new(WrongNextSubscription { inner: self.inner.subscribe(d, g).await?, mode: self.mode }))
+    }
+}
+
 /// A harness over the reference backends with one [`Mutant`] applied.
 #[derive(Debug, Clone, Copy)]
 pub struct MutantHarness(pub Mutant);
@@ -971,6 +1031,9 @@ impl Harness for MutantHarness {
                 Arc::new(WrongBatch { inner: mem, mode })
             }
             Mutant::RedeclareSkipsToTheEnd => Arc::new(Redeclaring { inner: mem, groups: Mutex::default() }),
+            Mutant::NextLeavesForeignUnacknowledged | Mutant::NextSkipsForeignSilently => {
+                Arc::new(WrongNext { inner: mem, mode })
+            }
             Mutant::JoinedQueueNames => {
                 foreign = Arc::new(QueueForeign(mem.clone()));
                 Arc::new(JoinedQueues { inner: mem, bindings: Mutex::default() })

@@ -314,10 +314,8 @@ impl ForeignDelivery {
             crate::ErrorKind::Corrupt,
             self.message.backend,
             format!(
-                "{} on {} is not an outbox event: {}",
-                self.message.position,
-                self.message.destination,
-                self.describe()
+                "{} on {} is not an outbox event: {}: {}",
+                self.message.position, self.message.destination, self.problem, self.detail
             ),
         )
     }
@@ -573,4 +571,42 @@ pub fn skipped(backend: &'static str, failed_event: &str) -> crate::error::Error
         backend,
         format!("not sent: event {failed_event} of the same key failed earlier in this batch"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Unsettled;
+
+    #[async_trait]
+    impl Acknowledge for Unsettled {
+        async fn ack(self: Box<Self>) -> Result<()> {
+            Ok(())
+        }
+        async fn nack(self: Box<Self>) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_foreign_message_is_reported_by_its_position_once_with_its_problem() {
+        let message = RawMessage {
+            backend: "redis",
+            destination: Destination::new("orders").unwrap(),
+            position: "outbox:orders/17-0".into(),
+            event_id: None,
+            key: None,
+            headers: Vec::new(),
+            payload: b"{}".to_vec(),
+        };
+        let f = ForeignDelivery::new(message, Malformed::NoEventId, "no id field", false, Box::new(Unsettled));
+        let err = f.error();
+        assert_eq!(err.kind(), crate::ErrorKind::Corrupt);
+        assert!(err.is_permanent());
+        assert_eq!(
+            err.to_string(),
+            "redis: outbox:orders/17-0 on orders is not an outbox event: no-event-id: no id field"
+        );
+    }
 }

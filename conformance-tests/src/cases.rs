@@ -455,6 +455,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "inbox_markers_and_dead_letters_read_back_in_their_order",
+            class: "InboxAdmin::markers, InboxAdmin::dead_letters, Inbox::dead_letter",
+            property: "markers read back in event-id order whatever order they were committed in; dead letters \
+                       oldest first, with ids increasing in write order and the store's clock at commit, whatever id \
+                       and time the record carried",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "inbox_ledger_reads_back_the_last_committed_state",
             class: "Inbox::ledger_state/set_ledger_state",
             property: "Fresh when absent; each committed state overwrites the last (Attempted, Done, Fresh, \
@@ -928,6 +937,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             }
             "store_requeue_parked_ignores_rows_that_are_not_parked" => {
                 crate::admin_cases::requeue_parked_ignores_rows_that_are_not_parked(harness).await
+            }
+            "inbox_markers_and_dead_letters_read_back_in_their_order" => {
+                crate::inbox_cases::markers_and_dead_letters_read_back_in_their_order(harness).await
             }
             "inbox_ledger_reads_back_the_last_committed_state" => {
                 crate::inbox_cases::ledger_reads_back_the_last_committed_state(harness).await

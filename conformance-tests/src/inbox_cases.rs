@@ -4,11 +4,16 @@
 //! not read back the last committed state repeats an external call (an email, a charge) or
 //! dead-letters one that was done; a version that advances on an equal one applies a redelivered
 //! projection event again; a prune that reaches past its consumer or its age lets a
-//! redelivery apply an effect again.
+//! redelivery apply an effect again. The operator's reads ([`InboxAdmin::markers`],
+//! [`InboxAdmin::dead_letters`]) come in a documented order with the store's times: a tool that
+//! replays dead letters oldest first, or pages markers by event id, relies on both.
 
 use std::time::Duration;
 
-use outbox_core::{Event, EventId, Inbox, InboxAdmin, LedgerState, ManualClock, MarkOutcome, VersionOutcome};
+use outbox_core::{
+    Clock, DeadLetter, DeadLetterReason, Event, EventId, Inbox, InboxAdmin, LedgerState, ManualClock, MarkOutcome,
+    Timestamp, VersionOutcome,
+};
 
 use crate::cases::CaseResult;
 use crate::harness::Harness;
@@ -169,4 +174,81 @@ pub(crate) async fn advance_version_is_stale_for_an_equal_version<H: Harness>(
         );
     }
     Ok(CaseResult::Passed("5 advanced, 5 and 4 stale, another consumer's 5 advanced, 6 advanced, 6 stale".into()))
+}
+
+/// [`InboxAdmin::markers`]: "all markers of `consumer`, in event-id order"; [`InboxAdmin::dead_letters`]:
+/// "oldest first (in [`DeadLetter::id`] order)"; [`Inbox::dead_letter`]: "the store assigns its `id`
+/// and sets `at` to the commit time (the values in `record` are ignored)". Markers committed out
+/// of event-id order, and dead letters whose event ids run against their write order, each
+/// written with an `id` and `at` of its own that the store must not keep.
+pub(crate) async fn markers_and_dead_letters_read_back_in_their_order<H: Harness>(
+    h: &H,
+) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "inbox_markers_and_dead_letters_read_back_in_their_order";
+    let clock = ManualClock::default();
+    let fx = h.fixture(CASE, clock.clone()).await?;
+    let inbox = &fx.inbox;
+    let tag = unique_tag();
+    let event = |name: &str| -> outbox_core::Result<Event> {
+        Ok(Event::new(EventId::new(format!("{CASE}.{tag}.{name}"))?, fx.destination.clone(), name.as_bytes().to_vec()))
+    };
+    // Marked c and a in one transaction, then b: committed out of event-id order.
+    for batch in [vec![event("c")?, event("a")?], vec![event("b")?]] {
+        clock.advance(Duration::from_secs(1));
+        let mut tx = inbox.begin().await?;
+        for e in &batch {
+            let o = inbox.mark(&mut tx, CONSUMER, &e.id, &e.fingerprint()).await?;
+            ensure!(CASE, o == MarkOutcome::New, "marking {} answered {o:?}", e.id);
+        }
+        inbox.commit(tx).await?;
+    }
+    let marked: Vec<String> =
+        inbox.markers(CONSUMER).await?.into_iter().map(|m| m.event_id.as_str().to_owned()).collect();
+    let want: Vec<String> = ["a", "b", "c"].iter().map(|n| format!("{CASE}.{tag}.{n}")).collect();
+    ensure!(
+        CASE,
+        marked == want,
+        "markers read back as {marked:?}; expected event-id order {want:?} (committed c, a, then b)"
+    );
+    // Dead letters written z, then y: their ids must follow the writes, not the event ids; each
+    // record carries an id and a time the store must ignore.
+    let mut written: Vec<(Event, Timestamp)> = Vec::new();
+    for name in ["z", "y"] {
+        clock.advance(Duration::from_secs(1));
+        let e = event(name)?;
+        let mut record =
+            DeadLetter::new(CONSUMER, e.clone(), DeadLetterReason::HandlerFailed, format!("failed {name}"));
+        record.id = 7;
+        record.at = Timestamp::from_millis(86_400_000);
+        let mut tx = inbox.begin().await?;
+        inbox.dead_letter(&mut tx, &record).await?;
+        inbox.commit(tx).await?;
+        written.push((e, clock.now()));
+    }
+    let letters = inbox.dead_letters(CONSUMER).await?;
+    let got: Vec<(&str, i64, Timestamp)> = letters.iter().map(|d| (d.event.id.as_str(), d.id, d.at)).collect();
+    let want: Vec<(&str, Timestamp)> = written.iter().map(|(e, at)| (e.id.as_str(), *at)).collect();
+    ensure!(
+        CASE,
+        got.len() == 2 && got.iter().zip(&want).all(|(g, w)| (g.0, g.2) == *w),
+        "dead letters read back as (event, id, at) {got:?}; expected the oldest first with the store's clock at each \
+         commit: {want:?} (the records were written with id 7 and at {:?}, which the store must ignore)",
+        Timestamp::from_millis(86_400_000)
+    );
+    ensure!(
+        CASE,
+        got[0].1 < got[1].1,
+        "the dead letters' ids {} and {} do not increase in write order",
+        got[0].1,
+        got[1].1
+    );
+    ensure!(
+        CASE,
+        letters.iter().zip(&written).all(|(d, (e, _))| d.event == *e && d.error.starts_with("failed ")),
+        "the dead letters do not keep their events and errors: {letters:?}"
+    );
+    Ok(CaseResult::Passed(format!(
+        "markers a, b, c in event-id order; dead letters z (id {}), y (id {}) at their commit times",
+        got[0].1, got[1].1
+    )))
 }

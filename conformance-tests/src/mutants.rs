@@ -3,7 +3,7 @@
 //! Each variant wraps a correct reference component and breaks exactly one rule of the
 //! contract. A suite that passes any of them is not judging what it claims to judge.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -17,7 +17,7 @@ use outbox_core::{
     Acknowledge, BatchReport, Broker, Claimed, Completion, ConsumerGroup, DeadLetter, DeadLetterReason, Delivery,
     Destination, Error, ErrorKind, Event, EventId, Fingerprint, ForeignDelivery, Inbox, InboxAdmin, Lease, LedgerState,
     ManualClock, MarkOutcome, Marker, OutboxAdmin, OutboxStats, OutboxStore, Outcome, ParkedHead, ParkedRow, Received,
-    RelayConfig, Result, Retry, RowId, RowSnapshot, RowStatus, Subscription, VersionOutcome,
+    RelayConfig, Result, Retry, RowId, RowSnapshot, RowStatus, Subscription, Timestamp, VersionOutcome,
 };
 use tokio::sync::Notify;
 
@@ -122,6 +122,13 @@ pub enum Mutant {
     ListParkedNewestFirst,
     /// `inspect` that returns every row after `after`, whatever the limit.
     InspectIgnoresLimit,
+    /// `markers` that reads back in descending event-id order (a query ordered the wrong way).
+    MarkersOutOfOrder,
+    /// `dead_letters` that reads back newest first: a replay of the oldest goes to the newest.
+    DeadLettersNewestFirst,
+    /// `dead_letter` that keeps the record's `at` instead of the store's clock at commit (an
+    /// insert that binds the caller's field).
+    DeadLetterKeepsRecordTime,
     /// A subscription whose `next` reports a foreign message as an error without rejecting it:
     /// the message stays unacknowledged and comes back to the group, to be reported again.
     NextLeavesForeignUnacknowledged,
@@ -187,7 +194,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 51] = [
+    pub const ALL: [Mutant; 54] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -220,6 +227,9 @@ impl Mutant {
         Mutant::ListParkedIgnoresLimit,
         Mutant::ListParkedNewestFirst,
         Mutant::InspectIgnoresLimit,
+        Mutant::MarkersOutOfOrder,
+        Mutant::DeadLettersNewestFirst,
+        Mutant::DeadLetterKeepsRecordTime,
         Mutant::NextLeavesForeignUnacknowledged,
         Mutant::NextSkipsForeignSilently,
         Mutant::RelayCompletesAThousandRowsOfABatch,
@@ -326,6 +336,9 @@ impl fmt::Display for Mutant {
             Self::ListParkedIgnoresLimit => "list_parked that returns every parked row, whatever the limit",
             Self::ListParkedNewestFirst => "list_parked that returns the newest rows first",
             Self::InspectIgnoresLimit => "inspect that returns every later row, whatever the limit",
+            Self::MarkersOutOfOrder => "markers that read back in descending event-id order",
+            Self::DeadLettersNewestFirst => "dead_letters that read back newest first",
+            Self::DeadLetterKeepsRecordTime => "dead_letter that keeps the record's time, not the store's",
             Self::NextLeavesForeignUnacknowledged => "next that reports a foreign message without rejecting it",
             Self::NextSkipsForeignSilently => "next that rejects a foreign message without reporting it",
             Self::ExtendDoesNotMoveTheLease => "extend that answers Applied without moving the lease",
@@ -728,6 +741,8 @@ pub struct MutantInbox {
     local: Arc<Mutex<HashSet<(String, EventId)>>>,
     /// [`Mutant::PruneMarkersOfEveryConsumer`]: the consumers that marked an event.
     consumers: Arc<Mutex<BTreeSet<String>>>,
+    /// [`Mutant::DeadLetterKeepsRecordTime`]: the `at` each dead letter was written with.
+    record_times: Arc<Mutex<HashMap<(String, EventId), Timestamp>>>,
 }
 
 /// A transaction of [`MutantInbox`].
@@ -830,6 +845,9 @@ impl Inbox for MutantInbox {
     }
 
     async fn dead_letter(&self, tx: &mut MutantTx, record: &DeadLetter) -> Result<()> {
+        if self.mode == Mutant::DeadLetterKeepsRecordTime {
+            lock(&self.record_times).insert((record.consumer.clone(), record.event.id.clone()), record.at);
+        }
         self.inner.dead_letter(&mut tx.inner, record).await
     }
 
@@ -845,11 +863,28 @@ impl InboxAdmin for MutantInbox {
     }
 
     async fn markers(&self, c: &str) -> Result<Vec<Marker>> {
-        self.inner.markers(c).await
+        let mut markers = self.inner.markers(c).await?;
+        if self.mode == Mutant::MarkersOutOfOrder {
+            markers.reverse();
+        }
+        Ok(markers)
     }
 
     async fn dead_letters(&self, c: &str) -> Result<Vec<DeadLetter>> {
-        self.inner.dead_letters(c).await
+        let mut letters = self.inner.dead_letters(c).await?;
+        match self.mode {
+            Mutant::DeadLettersNewestFirst => letters.reverse(),
+            Mutant::DeadLetterKeepsRecordTime => {
+                let times = lock(&self.record_times);
+                for d in &mut letters {
+                    if let Some(at) = times.get(&(d.consumer.clone(), d.event.id.clone())) {
+                        d.at = *at;
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(letters)
     }
 
     async fn remove_dead_letters(&self, c: &str, ids: &[i64]) -> Result<u64> {
@@ -1042,7 +1077,14 @@ impl Harness for MutantHarness {
         };
         // The consumers that marked events are the inbox's durable state: shared by restarts.
         let consumers: Arc<Mutex<BTreeSet<String>>> = Arc::default();
-        let inbox = MutantInbox { inner: memory.clone(), mode, local: Arc::default(), consumers: consumers.clone() };
+        let record_times: Arc<Mutex<HashMap<(String, EventId), Timestamp>>> = Arc::default();
+        let inbox = MutantInbox {
+            inner: memory.clone(),
+            mode,
+            local: Arc::default(),
+            consumers: consumers.clone(),
+            record_times: record_times.clone(),
+        };
         let mut fx = Fixture::new(
             Arc::new(store),
             broker,
@@ -1056,6 +1098,7 @@ impl Harness for MutantHarness {
             mode,
             local: Arc::default(),
             consumers: consumers.clone(),
+            record_times: record_times.clone(),
         });
         fx.foreign = Some(foreign);
         Ok(fx)

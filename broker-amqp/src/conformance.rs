@@ -135,6 +135,9 @@ impl BrokerHarness for AmqpBrokerHarness {
                 let mut present = Capability::present_in(&self.config.capabilities());
                 // Raw messages are published with lapin ([`AmqpForeign`]).
                 present.push(Capability::ForeignMessages);
+                // A queue keeps an unacknowledged delivery with its channel's consumer until the
+                // channel closes: a consumer that joins does not get it.
+                present.push(Capability::HeldWhileLive);
                 present
             },
             // RabbitMQ requeues a closed channel's unacknowledged deliveries at once and pushes

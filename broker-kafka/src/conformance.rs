@@ -211,6 +211,8 @@ impl BrokerHarness for KafkaBrokerHarness {
                 let mut present = Capability::present_in(&self.config.capabilities());
                 // Raw records are produced with librdkafka ([`KafkaForeign`]).
                 present.push(Capability::ForeignMessages);
+                // Not `HeldWhileLive`: a member joining rebalances the group, which may move the
+                // partition, and its uncommitted records, to the new member.
                 present
             },
             delivery_wait: DELIVERY_WAIT,

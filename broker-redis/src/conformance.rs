@@ -119,6 +119,9 @@ impl BrokerHarness for RedisBrokerHarness {
                 let mut present = Capability::present_in(&self.config.capabilities());
                 // Raw entries are written with XADD ([`RedisForeign`]).
                 present.push(Capability::ForeignMessages);
+                // Not `HeldWhileLive`: members reclaim entries idle for CLAIM_IDLE (200 ms here, so
+                // that redelivery cases are quick); the adapter's own tests hold one within a 30 s
+                // idle time (`unacked_delivery_stays_with_a_live_subscription_within_the_idle_time`).
                 present
             },
             delivery_wait: DELIVERY_WAIT,

@@ -251,6 +251,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "broker_held_delivery_is_not_handed_to_another_live_member",
+            class: "Subscription::receive",
+            property: "a member that joins the group while another holds a delivery unacknowledged never \
+                       receives it; the holder then acknowledges it",
+            needs: &[Capability::HeldWhileLive],
+            body: Function,
+        },
+        Case {
             name: "broker_acked_not_redelivered",
             class: "Broker::subscribe",
             property: "an acknowledged delivery is not delivered to the group again",
@@ -869,6 +877,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "broker_roundtrip_bytes" => broker_roundtrip_bytes(harness).await,
             "broker_unacked_redelivered_after_consumer_goes_away" => broker_unacked_redelivered(harness, false).await,
             "broker_redelivery_is_flagged" => broker_unacked_redelivered(harness, true).await,
+            "broker_held_delivery_is_not_handed_to_another_live_member" => {
+                broker_held_delivery_stays_with_its_live_member(harness).await
+            }
             "broker_acked_not_redelivered" => broker_acked_not_redelivered(harness, false).await,
             "broker_declare_twice_loses_nothing" => broker_acked_not_redelivered(harness, true).await,
             "broker_nack_redelivers" => broker_nack_redelivers(harness).await,
@@ -1337,6 +1348,50 @@ async fn broker_unacked_redelivered<H: Harness>(h: &H, flagged: bool) -> outbox_
     let note = format!("redelivered={} attempt={:?}", again.redelivered, again.attempt);
     again.ack().await?;
     Ok(CaseResult::Passed(note))
+}
+
+/// `Subscription::receive`: "a delivery not yet acknowledged is not handed to another member of
+/// the group while this subscription lives" (rebalances and the broker's idle timeout aside: the
+/// case needs [`Capability::HeldWhileLive`]). A member that joins while the first holds a
+/// delivery, reading until nothing comes, must not receive it; the first then acknowledges it.
+async fn broker_held_delivery_stays_with_its_live_member<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "broker_held_delivery_is_not_handed_to_another_live_member";
+    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let tag = crate::world::unique_tag();
+    let events = [
+        Event::new(EventId::new(format!("{CASE}.{tag}.a"))?, fx.destination.clone(), b"a".to_vec()),
+        Event::new(EventId::new(format!("{CASE}.{tag}.b"))?, fx.destination.clone(), b"b".to_vec()),
+    ];
+    for e in &events {
+        fx.broker.publish(e).await?;
+    }
+    let mut first = fx.broker.subscribe(&fx.destination, &suite_group()).await?;
+    let Some(held) = receive_within(first.as_mut(), wait).await? else {
+        return Ok(CaseResult::fail(CASE, "", "the first member received nothing"));
+    };
+    // Another member, as another process would join: its own connection.
+    let broker = (fx.restart_broker)();
+    let mut second = broker.subscribe(&fx.destination, &suite_group()).await?;
+    let mut seen = Vec::new();
+    while let Some(d) = receive_within(second.as_mut(), wait).await? {
+        seen.push(d.event.id.as_str().to_owned());
+        d.ack().await?;
+        if seen.len() >= MAX_DELIVERIES {
+            break;
+        }
+    }
+    ensure!(
+        CASE,
+        !seen.iter().any(|s| s == held.event.id.as_str()),
+        "{} was handed to a second member ({seen:?}) while the first member, still subscribed, held it \
+         unacknowledged",
+        held.event.id
+    );
+    let id = held.event.id.clone();
+    if let Err(e) = held.ack().await {
+        return Ok(CaseResult::fail(CASE, "", format!("the first member could not acknowledge {id} it held: {e}")));
+    }
+    Ok(CaseResult::Passed(format!("{id} stayed with the first member; the second received {seen:?}")))
 }
 
 /// `Broker::subscribe`: an acknowledged delivery is not delivered to the group again. With

@@ -70,6 +70,12 @@ pub enum Capability {
     /// returns `Some`). Found out by the case itself, like [`Retention`](Self::Retention): the
     /// trait's default, `None`, means relays find new rows by polling.
     Wakeup,
+    /// A delivery a live member holds unacknowledged stays with it while another member joins
+    /// and reads for a few delivery waits: no rebalance moves it and no idle timeout that short
+    /// hands it over ([`Subscription::receive`](outbox_core::Subscription::receive) allows both;
+    /// a Kafka group rebalances when a member joins, and the suite's Redis harness reclaims
+    /// after 200 ms).
+    HeldWhileLive,
 }
 
 impl Capability {
@@ -101,6 +107,7 @@ impl fmt::Display for Capability {
             Self::ParkedHeadSkip => "parked-head-skip",
             Self::Retention => "retention",
             Self::Wakeup => "wakeup",
+            Self::HeldWhileLive => "held-while-live",
         })
     }
 }

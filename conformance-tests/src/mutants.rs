@@ -135,6 +135,10 @@ pub enum Mutant {
     /// A subscription whose `next` rejects a foreign message and returns the event after it,
     /// reporting nothing: the message is lost and nobody hears of it.
     NextSkipsForeignSilently,
+    /// A broker that hands a delivery one member holds unacknowledged to another member that
+    /// finds nothing new (a Redis adapter reclaiming pending entries with no idle time): two
+    /// live members process one message at once.
+    HandsHeldToAnotherMember,
     /// `extend` that checks the lease and answers `Applied` without moving it: a relay keeping a
     /// slow publish's lease loses the row to another relay at the claim's expiry.
     ExtendDoesNotMoveTheLease,
@@ -194,7 +198,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 54] = [
+    pub const ALL: [Mutant; 55] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -232,6 +236,7 @@ impl Mutant {
         Mutant::DeadLetterKeepsRecordTime,
         Mutant::NextLeavesForeignUnacknowledged,
         Mutant::NextSkipsForeignSilently,
+        Mutant::HandsHeldToAnotherMember,
         Mutant::RelayCompletesAThousandRowsOfABatch,
         Mutant::DropsUnboundPublishes,
         Mutant::JoinedQueueNames,
@@ -341,6 +346,7 @@ impl fmt::Display for Mutant {
             Self::DeadLetterKeepsRecordTime => "dead_letter that keeps the record's time, not the store's",
             Self::NextLeavesForeignUnacknowledged => "next that reports a foreign message without rejecting it",
             Self::NextSkipsForeignSilently => "next that rejects a foreign message without reporting it",
+            Self::HandsHeldToAnotherMember => "broker that hands a held delivery to another live member",
             Self::ExtendDoesNotMoveTheLease => "extend that answers Applied without moving the lease",
             Self::LedgerKeepsFirstState => "notification ledger that never overwrites an entry",
             Self::RedeclareSkipsToTheEnd => "declare that starts an existing group anew past what was published",
@@ -1025,6 +1031,96 @@ impl Broker for WrongNext {
     }
 }
 
+/// [`Mutant::HandsHeldToAnotherMember`]: the reference broker, and what each of its members
+/// holds unacknowledged (by member), which a member that finds nothing new takes.
+struct SharesHeld {
+    inner: MemoryBroker,
+    held: Arc<Mutex<Vec<(u64, Event)>>>,
+}
+
+static NEXT_MEMBER: AtomicUsize = AtomicUsize::new(0);
+
+struct SharingSubscription {
+    inner: Box<dyn Subscription>,
+    held: Arc<Mutex<Vec<(u64, Event)>>>,
+    member: u64,
+}
+
+/// Forgets a held delivery once its holder settles it.
+struct Settles {
+    inner: Box<dyn Acknowledge>,
+    held: Arc<Mutex<Vec<(u64, Event)>>>,
+    member: u64,
+    id: EventId,
+}
+
+impl Settles {
+    fn forget(&self) {
+        lock(&self.held).retain(|(m, e)| !(*m == self.member && e.id == self.id));
+    }
+}
+
+#[async_trait]
+impl Acknowledge for Settles {
+    async fn ack(self: Box<Self>) -> Result<()> {
+        self.forget();
+        self.inner.ack().await
+    }
+    async fn nack(self: Box<Self>) -> Result<()> {
+        self.forget();
+        self.inner.nack().await
+    }
+}
+
+#[async_trait]
+impl Subscription for SharingSubscription {
+    async fn receive(&mut self, wait: Duration) -> Result<Option<Received>> {
+        match self.inner.receive(wait).await? {
+            Some(Received::Event(d)) => {
+                let (redelivered, attempt) = (d.redelivered, d.attempt);
+                let (event, acker) = d.into_parts();
+                lock(&self.held).push((self.member, event.clone()));
+                let acker =
+                    Settles { inner: acker, held: self.held.clone(), member: self.member, id: event.id.clone() };
+                Ok(Some(Received::Event(Delivery::new(event, redelivered, attempt, Box::new(acker)))))
+            }
+            Some(foreign) => Ok(Some(foreign)),
+            None => {
+                let mut held = lock(&self.held);
+                let Some(i) = held.iter().position(|(m, _)| *m != self.member) else { return Ok(None) };
+                let (_, event) = held.remove(i);
+                Ok(Some(Received::Event(Delivery::new(event, true, None, Box::new(AlreadyAcked)))))
+            }
+        }
+    }
+}
+
+impl Drop for SharingSubscription {
+    fn drop(&mut self) {
+        lock(&self.held).retain(|(m, _)| *m != self.member);
+    }
+}
+
+#[async_trait]
+impl Broker for SharesHeld {
+    fn backend(&self) -> &'static str {
+        "mutant"
+    }
+    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> Result<()> {
+        self.inner.declare(d, g).await
+    }
+    async fn publish(&self, e: &Event) -> Result<()> {
+        self.inner.publish(e).await
+    }
+    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
+        Ok(Box::new(SharingSubscription {
+            inner: self.inner.subscribe(d, g).await?,
+            held: self.held.clone(),
+            member: NEXT_MEMBER.fetch_add(1, Ordering::Relaxed) as u64,
+        }))
+    }
+}
+
 /// A harness over the reference backends with one [`Mutant`] applied.
 #[derive(Debug, Clone, Copy)]
 pub struct MutantHarness(pub Mutant);
@@ -1066,6 +1162,7 @@ impl Harness for MutantHarness {
                 Arc::new(WrongBatch { inner: mem, mode })
             }
             Mutant::RedeclareSkipsToTheEnd => Arc::new(Redeclaring { inner: mem, groups: Mutex::default() }),
+            Mutant::HandsHeldToAnotherMember => Arc::new(SharesHeld { inner: mem, held: Arc::default() }),
             Mutant::NextLeavesForeignUnacknowledged | Mutant::NextSkipsForeignSilently => {
                 Arc::new(WrongNext { inner: mem, mode })
             }

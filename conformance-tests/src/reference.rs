@@ -59,6 +59,8 @@ pub fn memory_capabilities() -> Capabilities {
                 Capability::present_in(&outbox_core::Broker::capabilities(&outbox_core::memory::MemoryBroker::new()));
             // The memory harnesses write raw entries with `MemoryBroker::publish_raw`.
             present.push(Capability::ForeignMessages);
+            // A delivery stays with its subscription until settled or the subscription drops.
+            present.push(Capability::HeldWhileLive);
             present
         },
         delivery_wait: Duration::ZERO,

@@ -4,7 +4,9 @@
 //! [`OutboxStore::extend`](outbox_core::OutboxStore::extend), which a relay with a slow publish
 //! calls to keep its lease. A requeue that reaches past what it names breaks a live lease or
 //! republishes a row; an extend that answers `Applied` without moving the lease lets another relay
-//! take a row that is still being published. [`OutboxAdmin::list_parked`] and
+//! take a row that is still being published; a release (a relay shutting down) that resets the
+//! attempts gives a row that keeps failing a fresh set of retries at every restart, so it is
+//! never dead-lettered. [`OutboxAdmin::list_parked`] and
 //! [`OutboxAdmin::inspect`] are what those tools page through: a page that ignores its limit
 //! reads a whole table into a tool's memory, and one out of row-id order makes a tool that pages
 //! by the last id it saw skip rows.
@@ -222,4 +224,46 @@ pub(crate) async fn admin_reads_at_most_limit_in_row_id_order<H: Harness>(h: &H)
     Ok(CaseResult::Passed(
         "list_parked and inspect kept their limits and row-id order; park times and reasons kept".into(),
     ))
+}
+
+/// [`OutboxStore::release`](outbox_core::OutboxStore::release): "the row becomes claimable at
+/// once, attempts unchanged" — for a row that has failed before (every other case releases a
+/// fresh row, whose attempts are 0 either way).
+pub(crate) async fn release_keeps_the_attempts_of_a_row_that_failed<H: Harness>(
+    h: &H,
+) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_release_keeps_the_attempts_of_a_row_that_failed";
+    let clock = ManualClock::default();
+    let fx = h.fixture(CASE, clock.clone()).await?;
+    let events = crate::cases::numbered_events(CASE, &fx.destination, 1)?;
+    let row = fx.store.enqueue(&events).await?[0];
+    for attempt in 1..=2 {
+        let c = fx.store.claim("relay-A", 1, LEASE).await?;
+        ensure!(CASE, c.len() == 1, "claim {attempt} returned {} rows", c.len());
+        let o = fx.store.fail(row, &c[0].lease, Duration::from_secs(1), "broker down").await?;
+        ensure!(CASE, o == Outcome::Applied, "fail {attempt} was {o:?}");
+        clock.advance(Duration::from_secs(1));
+    }
+    let c = fx.store.claim("relay-A", 1, LEASE).await?;
+    ensure!(CASE, c.len() == 1, "the claim after two failures returned {} rows", c.len());
+    ensure!(CASE, c[0].record.attempts == 2, "the claim after two failures reads attempts {}", c[0].record.attempts);
+    let o = fx.store.release(row, &c[0].lease).await?;
+    ensure!(CASE, o == Outcome::Applied, "release with the claim's lease was {o:?}");
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let r = rows.iter().find(|r| r.row_id == row);
+    ensure!(
+        CASE,
+        r.is_some_and(|r| r.status == RowStatus::Pending && r.attempts == 2 && r.owner.is_none()),
+        "after release the row reads back as {}; expected pending, no owner, attempts still 2",
+        r.map_or("missing".to_string(), describe)
+    );
+    let again = fx.store.claim("relay-B", 1, LEASE).await?;
+    ensure!(
+        CASE,
+        again.len() == 1 && again[0].record.attempts == 2,
+        "a claim right after the release returned {:?} (attempts {:?}); expected the row at once, attempts 2",
+        again.iter().map(|c| c.record.row_id).collect::<Vec<_>>(),
+        again.iter().map(|c| c.record.attempts).collect::<Vec<_>>()
+    );
+    Ok(CaseResult::Passed("released after two failures: pending at once, attempts still 2".into()))
 }

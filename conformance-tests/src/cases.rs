@@ -447,6 +447,14 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_release_keeps_the_attempts_of_a_row_that_failed",
+            class: "OutboxStore::release",
+            property: "a row released after two failed publishes is pending and claimable at once with attempts \
+                       still 2",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_admin_reads_at_most_limit_in_row_id_order",
             class: "OutboxAdmin::list_parked, OutboxAdmin::inspect",
             property: "list_parked and inspect return at most their limit, in row-id order (inspect after the id \
@@ -942,6 +950,9 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_stats" => store_stats(harness).await,
             "store_extend_moves_the_lease_and_keeps_the_token" => {
                 crate::admin_cases::extend_moves_the_lease_and_keeps_the_token(harness).await
+            }
+            "store_release_keeps_the_attempts_of_a_row_that_failed" => {
+                crate::admin_cases::release_keeps_the_attempts_of_a_row_that_failed(harness).await
             }
             "store_admin_reads_at_most_limit_in_row_id_order" => {
                 crate::admin_cases::admin_reads_at_most_limit_in_row_id_order(harness).await

@@ -122,6 +122,9 @@ pub enum Mutant {
     ListParkedNewestFirst,
     /// `inspect` that returns every row after `after`, whatever the limit.
     InspectIgnoresLimit,
+    /// `release` that resets the row's attempts (the requeue statement reused): a row that keeps
+    /// failing gets a fresh set of retries at every relay restart and is never dead-lettered.
+    ReleaseResetsAttempts,
     /// `markers` that reads back in descending event-id order (a query ordered the wrong way).
     MarkersOutOfOrder,
     /// `dead_letters` that reads back newest first: a replay of the oldest goes to the newest.
@@ -198,7 +201,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 55] = [
+    pub const ALL: [Mutant; 56] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -231,6 +234,7 @@ impl Mutant {
         Mutant::ListParkedIgnoresLimit,
         Mutant::ListParkedNewestFirst,
         Mutant::InspectIgnoresLimit,
+        Mutant::ReleaseResetsAttempts,
         Mutant::MarkersOutOfOrder,
         Mutant::DeadLettersNewestFirst,
         Mutant::DeadLetterKeepsRecordTime,
@@ -341,6 +345,7 @@ impl fmt::Display for Mutant {
             Self::ListParkedIgnoresLimit => "list_parked that returns every parked row, whatever the limit",
             Self::ListParkedNewestFirst => "list_parked that returns the newest rows first",
             Self::InspectIgnoresLimit => "inspect that returns every later row, whatever the limit",
+            Self::ReleaseResetsAttempts => "release that resets the row's attempts",
             Self::MarkersOutOfOrder => "markers that read back in descending event-id order",
             Self::DeadLettersNewestFirst => "dead_letters that read back newest first",
             Self::DeadLetterKeepsRecordTime => "dead_letter that keeps the record's time, not the store's",
@@ -674,6 +679,14 @@ impl OutboxStore for MutantStore {
 
     async fn release(&self, row: RowId, lease: &Lease) -> Result<Outcome> {
         let lease = self.translate(row, lease).await?;
+        if self.mode == Mutant::ReleaseResetsAttempts {
+            // Parked and requeued at once: pending, claimable now, attempts 0.
+            let parked = self.inner.park(row, &lease, "released").await?;
+            if parked == Outcome::Applied {
+                self.inner.requeue_parked(&[row]).await?;
+            }
+            return Ok(parked);
+        }
         self.inner.release(row, &lease).await
     }
 
@@ -927,9 +940,7 @@ impl EffectTable<MutantInbox> for MutantEffects {
     }
 }
 
-/// The reference broker, acknowledging on receipt.
-struct AckOnReceipt(MemoryBroker);
-
+/// [`Mutant::AckBeforeCommit`]: a subscription that acknowledges on receipt.
 struct EarlyAckSubscription(Box<dyn Subscription>);
 
 struct AlreadyAcked;
@@ -965,29 +976,8 @@ impl Subscription for EarlyAckSubscription {
     }
 }
 
-#[async_trait]
-impl Broker for AckOnReceipt {
-    fn backend(&self) -> &'static str {
-        "mutant"
-    }
-    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> Result<()> {
-        self.0.declare(d, g).await
-    }
-    async fn publish(&self, e: &Event) -> Result<()> {
-        self.0.publish(e).await
-    }
-    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
-        Ok(Box::new(EarlyAckSubscription(self.0.subscribe(d, g).await?)))
-    }
-}
-
-/// [`Mutant::NextLeavesForeignUnacknowledged`], [`Mutant::NextSkipsForeignSilently`]: the
-/// reference broker whose subscriptions override `Subscription::next`.
-struct WrongNext {
-    inner: MemoryBroker,
-    mode: Mutant,
-}
-
+/// [`Mutant::NextLeavesForeignUnacknowledged`], [`Mutant::NextSkipsForeignSilently`]: a
+/// subscription that overrides `Subscription::next`.
 struct WrongNextSubscription {
     inner: Box<dyn Subscription>,
     mode: Mutant,
@@ -1015,31 +1005,11 @@ impl Subscription for WrongNextSubscription {
     }
 }
 
-#[async_trait]
-impl Broker for WrongNext {
-    fn backend(&self) -> &'static str {
-        "mutant"
-    }
-    async fn declare(&self, d: &Destination, g: &[ConsumerGroup]) -> Result<()> {
-        self.inner.declare(d, g).await
-    }
-    async fn publish(&self, e: &Event) -> Result<()> {
-        self.inner.publish(e).await
-    }
-    async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
-        Ok(Box::new(WrongNextSubscription { inner: self.inner.subscribe(d, g).await?, mode: self.mode }))
-    }
-}
-
-/// [`Mutant::HandsHeldToAnotherMember`]: the reference broker, and what each of its members
-/// holds unacknowledged (by member), which a member that finds nothing new takes.
-struct SharesHeld {
-    inner: MemoryBroker,
-    held: Arc<Mutex<Vec<(u64, Event)>>>,
-}
-
 static NEXT_MEMBER: AtomicUsize = AtomicUsize::new(0);
 
+/// [`Mutant::HandsHeldToAnotherMember`]: a member of a group that records what it holds
+/// unacknowledged in `held` (shared by the members) and, finding nothing new, takes what another
+/// member holds.
 struct SharingSubscription {
     inner: Box<dyn Subscription>,
     held: Arc<Mutex<Vec<(u64, Event)>>>,
@@ -1101,8 +1071,17 @@ impl Drop for SharingSubscription {
     }
 }
 
+/// What a subscription-level mutant does to each subscription of the reference broker.
+type WrapSubscription = Box<dyn Fn(Box<dyn Subscription>) -> Box<dyn Subscription> + Send + Sync>;
+
+/// The reference broker whose subscriptions a mutant wraps; `declare` and `publish` go through.
+struct WrappedSubscriptions {
+    inner: MemoryBroker,
+    wrap: WrapSubscription,
+}
+
 #[async_trait]
-impl Broker for SharesHeld {
+impl Broker for WrappedSubscriptions {
     fn backend(&self) -> &'static str {
         "mutant"
     }
@@ -1113,11 +1092,7 @@ impl Broker for SharesHeld {
         self.inner.publish(e).await
     }
     async fn subscribe(&self, d: &Destination, g: &ConsumerGroup) -> Result<Box<dyn Subscription>> {
-        Ok(Box::new(SharingSubscription {
-            inner: self.inner.subscribe(d, g).await?,
-            held: self.held.clone(),
-            member: NEXT_MEMBER.fetch_add(1, Ordering::Relaxed) as u64,
-        }))
+        Ok((self.wrap)(self.inner.subscribe(d, g).await?))
     }
 }
 
@@ -1156,15 +1131,25 @@ impl Harness for MutantHarness {
         let mem = MemoryBroker::new();
         let mut foreign: Arc<dyn ForeignWriter> = Arc::new(MemoryForeign(mem.clone()));
         let broker: Arc<dyn Broker> = match mode {
-            Mutant::AckBeforeCommit => Arc::new(AckOnReceipt(mem)),
+            Mutant::AckBeforeCommit => {
+                Arc::new(WrappedSubscriptions { inner: mem, wrap: Box::new(|s| Box::new(EarlyAckSubscription(s))) })
+            }
             Mutant::DropsUnboundPublishes => Arc::new(DropsUnbound { inner: mem, groups: Mutex::default() }),
             Mutant::BatchReversesOrder | Mutant::BatchDoesNotSkipAfterFailure | Mutant::BatchFailsWholeOnUnroutable => {
                 Arc::new(WrongBatch { inner: mem, mode })
             }
             Mutant::RedeclareSkipsToTheEnd => Arc::new(Redeclaring { inner: mem, groups: Mutex::default() }),
-            Mutant::HandsHeldToAnotherMember => Arc::new(SharesHeld { inner: mem, held: Arc::default() }),
+            Mutant::HandsHeldToAnotherMember => {
+                let held: Arc<Mutex<Vec<(u64, Event)>>> = Arc::default();
+                let wrap = move |inner| -> Box<dyn Subscription> {
+                    let member = NEXT_MEMBER.fetch_add(1, Ordering::Relaxed) as u64;
+                    Box::new(SharingSubscription { inner, held: held.clone(), member })
+                };
+                Arc::new(WrappedSubscriptions { inner: mem, wrap: Box::new(wrap) })
+            }
             Mutant::NextLeavesForeignUnacknowledged | Mutant::NextSkipsForeignSilently => {
-                Arc::new(WrongNext { inner: mem, mode })
+                let wrap = move |inner| -> Box<dyn Subscription> { Box::new(WrongNextSubscription { inner, mode }) };
+                Arc::new(WrappedSubscriptions { inner: mem, wrap: Box::new(wrap) })
             }
             Mutant::JoinedQueueNames => {
                 foreign = Arc::new(QueueForeign(mem.clone()));

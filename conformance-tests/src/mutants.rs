@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -1005,7 +1005,8 @@ impl Subscription for WrongNextSubscription {
     }
 }
 
-static NEXT_MEMBER: AtomicUsize = AtomicUsize::new(0);
+/// Numbers the members of [`Mutant::HandsHeldToAnotherMember`]'s groups.
+static NEXT_MEMBER: AtomicU64 = AtomicU64::new(0);
 
 /// [`Mutant::HandsHeldToAnotherMember`]: a member of a group that records what it holds
 /// unacknowledged in `held` (shared by the members) and, finding nothing new, takes what another
@@ -1142,7 +1143,7 @@ impl Harness for MutantHarness {
             Mutant::HandsHeldToAnotherMember => {
                 let held: Arc<Mutex<Vec<(u64, Event)>>> = Arc::default();
                 let wrap = move |inner| -> Box<dyn Subscription> {
-                    let member = NEXT_MEMBER.fetch_add(1, Ordering::Relaxed) as u64;
+                    let member = NEXT_MEMBER.fetch_add(1, Ordering::Relaxed);
                     Box::new(SharingSubscription { inner, held: held.clone(), member })
                 };
                 Arc::new(WrappedSubscriptions { inner: mem, wrap: Box::new(wrap) })

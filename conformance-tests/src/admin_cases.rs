@@ -160,8 +160,14 @@ pub(crate) async fn admin_reads_at_most_limit_in_row_id_order<H: Harness>(h: &H)
     let mut parked_at = Vec::new();
     for i in [4, 3, 1] {
         clock.advance(Duration::from_secs(1));
-        let lease = &c.iter().find(|c| c.record.row_id == rows[i]).expect("claimed above").lease;
-        let o = fx.store.park(rows[i], lease, &format!("reason {i}")).await?;
+        let Some(claimed) = c.iter().find(|c| c.record.row_id == rows[i]) else {
+            return Ok(CaseResult::fail(
+                CASE,
+                "",
+                format!("the claim of all five rows did not return row {}", rows[i]),
+            ));
+        };
+        let o = fx.store.park(rows[i], &claimed.lease, &format!("reason {i}")).await?;
         ensure!(CASE, o == Outcome::Applied, "park of row {} was {o:?}", rows[i]);
         parked_at.push((rows[i], clock.now()));
     }

@@ -886,7 +886,7 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "broker_unacked_redelivered_after_consumer_goes_away" => broker_unacked_redelivered(harness, false).await,
             "broker_redelivery_is_flagged" => broker_unacked_redelivered(harness, true).await,
             "broker_held_delivery_is_not_handed_to_another_live_member" => {
-                broker_held_delivery_stays_with_its_live_member(harness).await
+                broker_held_delivery_is_not_handed_to_another_live_member(harness).await
             }
             "broker_acked_not_redelivered" => broker_acked_not_redelivered(harness, false).await,
             "broker_declare_twice_loses_nothing" => broker_acked_not_redelivered(harness, true).await,
@@ -1365,7 +1365,9 @@ async fn broker_unacked_redelivered<H: Harness>(h: &H, flagged: bool) -> outbox_
 /// the group while this subscription lives" (rebalances and the broker's idle timeout aside: the
 /// case needs [`Capability::HeldWhileLive`]). A member that joins while the first holds a
 /// delivery, reading until nothing comes, must not receive it; the first then acknowledges it.
-async fn broker_held_delivery_stays_with_its_live_member<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+async fn broker_held_delivery_is_not_handed_to_another_live_member<H: Harness>(
+    h: &H,
+) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "broker_held_delivery_is_not_handed_to_another_live_member";
     let (fx, wait) = fresh_broker(h, CASE).await?;
     let tag = crate::world::unique_tag();

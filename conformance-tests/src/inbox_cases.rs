@@ -1,6 +1,6 @@
 //! The inbox's own calls, driven directly on committed state: the notification ledger
 //! ([`Inbox::ledger_state`], [`Inbox::set_ledger_state`]), projection versions
-//! ([`Inbox::advance_version`]) and marker pruning ([`InboxAdmin::prune_markers`]). The consumer runtime trusts both blindly: a ledger that does
+//! ([`Inbox::advance_version`]) and marker pruning ([`InboxAdmin::prune_markers`]). The consumer runtime trusts them blindly: a ledger that does
 //! not read back the last committed state repeats an external call (an email, a charge) or
 //! dead-letters one that was done; a version that advances on an equal one applies a redelivered
 //! projection event again; a prune that reaches past its consumer or its age lets a
@@ -18,6 +18,25 @@ use outbox_core::{
 use crate::cases::CaseResult;
 use crate::harness::Harness;
 use crate::world::{CONSUMER, unique_tag};
+
+/// Mark each `(consumer, event)` in one transaction and commit it; what went wrong when a mark
+/// does not answer `New` (nothing is committed then).
+async fn commit_marks<I: Inbox>(inbox: &I, marks: &[(&str, &Event)]) -> outbox_core::Result<Option<String>> {
+    let mut tx = inbox.begin().await?;
+    for (consumer, e) in marks {
+        let o = inbox.mark(&mut tx, consumer, &e.id, &e.fingerprint()).await?;
+        if o != MarkOutcome::New {
+            return Ok(Some(format!("marking {} for {consumer} answered {o:?}", e.id)));
+        }
+    }
+    inbox.commit(tx).await?;
+    Ok(None)
+}
+
+/// The event ids of `consumer`'s committed markers, in the order `markers` returns them.
+async fn marker_ids<I: Inbox>(inbox: &I, consumer: &str) -> outbox_core::Result<Vec<String>> {
+    Ok(inbox.markers(consumer).await?.into_iter().map(|m| m.event_id.as_str().to_owned()).collect())
+}
 
 /// [`Inbox::ledger_state`]: "`Fresh` when absent"; [`Inbox::set_ledger_state`]: "overwrites the
 /// previous state"; with [`Inbox::begin`]'s "nothing written on it is visible to others before
@@ -86,27 +105,12 @@ pub(crate) async fn prune_markers_deletes_only_old_markers_of_its_consumer<H: Ha
     };
     let (e0, e1) = (event(0)?, event(1)?);
     let inbox = &fx.inbox;
-    let commit_markers = |marks: Vec<(&'static str, Event)>| async move {
-        let mut tx = inbox.begin().await?;
-        for (consumer, e) in &marks {
-            let o = inbox.mark(&mut tx, consumer, &e.id, &e.fingerprint()).await?;
-            if o != MarkOutcome::New {
-                return Ok(Some(format!("marking {} for {consumer} answered {o:?}", e.id)));
-            }
-        }
-        inbox.commit(tx).await?;
-        Ok::<_, outbox_core::Error>(None)
-    };
-    let ids = |consumer: &'static str| async move {
-        Ok::<Vec<String>, outbox_core::Error>(
-            inbox.markers(consumer).await?.into_iter().map(|m| m.event_id.as_str().to_owned()).collect(),
-        )
-    };
-    if let Some(why) = commit_markers(vec![(CONSUMER, e0.clone()), (OTHER, e0.clone())]).await? {
+    let ids = |consumer: &'static str| marker_ids(inbox, consumer);
+    if let Some(why) = commit_marks(inbox, &[(CONSUMER, &e0), (OTHER, &e0)]).await? {
         return Ok(CaseResult::fail(CASE, "", why));
     }
     clock.advance(Duration::from_secs(10));
-    if let Some(why) = commit_markers(vec![(CONSUMER, e1.clone())]).await? {
+    if let Some(why) = commit_marks(inbox, &[(CONSUMER, &e1)]).await? {
         return Ok(CaseResult::fail(CASE, "", why));
     }
     // e0's markers are 15 s old less a millisecond, e1's a millisecond younger than AGE.
@@ -188,36 +192,28 @@ pub(crate) async fn markers_and_dead_letters_read_back_in_their_order<H: Harness
     let clock = ManualClock::default();
     let fx = h.fixture(CASE, clock.clone()).await?;
     let inbox = &fx.inbox;
-    let tag = unique_tag();
-    let event = |name: &str| -> outbox_core::Result<Event> {
-        Ok(Event::new(EventId::new(format!("{CASE}.{tag}.{name}"))?, fx.destination.clone(), name.as_bytes().to_vec()))
-    };
-    // Marked c and a in one transaction, then b: committed out of event-id order.
-    for batch in [vec![event("c")?, event("a")?], vec![event("b")?]] {
+    let events = crate::cases::numbered_events(CASE, &fx.destination, 5)?;
+    // Marked 2 and 0 in one transaction, then 1: committed out of event-id order.
+    for batch in [[(CONSUMER, &events[2]), (CONSUMER, &events[0])].as_slice(), &[(CONSUMER, &events[1])]] {
         clock.advance(Duration::from_secs(1));
-        let mut tx = inbox.begin().await?;
-        for e in &batch {
-            let o = inbox.mark(&mut tx, CONSUMER, &e.id, &e.fingerprint()).await?;
-            ensure!(CASE, o == MarkOutcome::New, "marking {} answered {o:?}", e.id);
+        if let Some(why) = commit_marks(inbox, batch).await? {
+            return Ok(CaseResult::fail(CASE, "", why));
         }
-        inbox.commit(tx).await?;
     }
-    let marked: Vec<String> =
-        inbox.markers(CONSUMER).await?.into_iter().map(|m| m.event_id.as_str().to_owned()).collect();
-    let want: Vec<String> = ["a", "b", "c"].iter().map(|n| format!("{CASE}.{tag}.{n}")).collect();
+    let marked = marker_ids(inbox, CONSUMER).await?;
+    let want: Vec<&str> = events[..3].iter().map(|e| e.id.as_str()).collect();
     ensure!(
         CASE,
         marked == want,
-        "markers read back as {marked:?}; expected event-id order {want:?} (committed c, a, then b)"
+        "markers read back as {marked:?}; expected event-id order {want:?} (committed 2 and 0, then 1)"
     );
-    // Dead letters written z, then y: their ids must follow the writes, not the event ids; each
-    // record carries an id and a time the store must ignore.
+    // Dead letters written for 4, then 3: their ids must follow the writes, not the event ids;
+    // each record carries an id and a time the store must ignore.
     let mut written: Vec<(Event, Timestamp)> = Vec::new();
-    for name in ["z", "y"] {
+    for i in [4, 3] {
         clock.advance(Duration::from_secs(1));
-        let e = event(name)?;
-        let mut record =
-            DeadLetter::new(CONSUMER, e.clone(), DeadLetterReason::HandlerFailed, format!("failed {name}"));
+        let e = events[i].clone();
+        let mut record = DeadLetter::new(CONSUMER, e.clone(), DeadLetterReason::HandlerFailed, format!("failed {i}"));
         record.id = 7;
         record.at = Timestamp::from_millis(86_400_000);
         let mut tx = inbox.begin().await?;
@@ -248,7 +244,7 @@ pub(crate) async fn markers_and_dead_letters_read_back_in_their_order<H: Harness
         "the dead letters do not keep their events and errors: {letters:?}"
     );
     Ok(CaseResult::Passed(format!(
-        "markers a, b, c in event-id order; dead letters z (id {}), y (id {}) at their commit times",
+        "markers 0, 1, 2 in event-id order; dead letters of 4 (id {}) and 3 (id {}) at their commit times",
         got[0].1, got[1].1
     )))
 }

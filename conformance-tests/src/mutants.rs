@@ -662,13 +662,12 @@ impl OutboxStore for MutantStore {
         if self.mode == Mutant::ExtendDoesNotMoveTheLease {
             // The token check, then the expiry put back where it was: extended to "now" (which
             // reads the store's clock back), then by what was left.
-            let expiry = |rows: Vec<RowSnapshot>| rows.into_iter().find(|r| r.row_id == row)?.lease_expires_at;
-            let Some(before) = expiry(all_rows(&self.inner).await?) else {
+            let Some(before) = self.row(row).await?.and_then(|r| r.lease_expires_at) else {
                 return self.inner.extend(row, &lease, by).await;
             };
             let o = self.inner.extend(row, &lease, Duration::ZERO).await?;
             if o == Outcome::Applied
-                && let Some(now) = expiry(all_rows(&self.inner).await?)
+                && let Some(now) = self.row(row).await?.and_then(|r| r.lease_expires_at)
             {
                 let _ = self.inner.extend(row, &lease, before.since(now)).await?;
             }

@@ -8,7 +8,8 @@
 //! dropped, so a re-run on a dirty server starts clean.
 //!
 //! The claim idle time is short so that what a dropped subscription held is reclaimed by the
-//! next member of the group well within the suite's delivery wait.
+//! next member of the group well within the suite's delivery wait; the one case that needs a
+//! delivery to stay with a live member gets a long one ([`HOLD_IDLE`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +27,10 @@ use crate::{RedisBroker, RedisConfig};
 /// An entry left unacknowledged this long by a consumer that went away is reclaimed by another
 /// member (subscriptions look for such entries every `CLAIM_IDLE / 2`).
 pub const CLAIM_IDLE: Duration = Duration::from_millis(200);
+
+/// The claim idle time of a fixture for a case that needs a delivery held while its member
+/// lives ([`Capability::HeldWhileLive`]): longer than such a case runs (a few delivery waits).
+pub const HOLD_IDLE: Duration = Duration::from_secs(30);
 
 /// How long the suite waits for a delivery: the worst reclaim after a dropped subscription is
 /// `CLAIM_IDLE` plus one claim interval (300 ms) plus round trips; this leaves more than twice
@@ -65,6 +70,16 @@ impl RedisBrokerHarness {
     /// The configuration every fixture's broker uses.
     pub fn config(&self) -> &RedisConfig {
         &self.config
+    }
+
+    /// A fixture whose broker has `config` (the harness's, or with another claim idle time).
+    async fn fixture_with(&self, case: &str, config: RedisConfig) -> Result<BrokerFixture> {
+        let broker = RedisBroker::connect(config).await?;
+        self.connected.store(true, Ordering::Relaxed);
+        let destination = Destination::new(format!("{case}-{}", unique_tag()))?;
+        let mut fx = BrokerFixture::new(Arc::new(broker.clone()), destination);
+        fx.foreign = Some(Arc::new(RedisForeign { broker, url: self.config.url.clone() }));
+        Ok(fx)
     }
 
     fn clean_up(&self) -> redis::RedisResult<()> {
@@ -119,9 +134,9 @@ impl BrokerHarness for RedisBrokerHarness {
                 let mut present = Capability::present_in(&self.config.capabilities());
                 // Raw entries are written with XADD ([`RedisForeign`]).
                 present.push(Capability::ForeignMessages);
-                // Not `HeldWhileLive`: members reclaim entries idle for CLAIM_IDLE (200 ms here, so
-                // that redelivery cases are quick); the adapter's own tests hold one within a 30 s
-                // idle time (`unacked_delivery_stays_with_a_live_subscription_within_the_idle_time`).
+                // Members reclaim entries idle for CLAIM_IDLE (200 ms, so that redelivery cases
+                // are quick); the case that needs a delivery held gets HOLD_IDLE instead.
+                present.push(Capability::HeldWhileLive);
                 present
             },
             delivery_wait: DELIVERY_WAIT,
@@ -131,12 +146,11 @@ impl BrokerHarness for RedisBrokerHarness {
     }
 
     async fn fixture(&self, case: &str) -> Result<BrokerFixture> {
-        let broker = RedisBroker::connect(self.config.clone()).await?;
-        self.connected.store(true, Ordering::Relaxed);
-        let destination = Destination::new(format!("{case}-{}", unique_tag()))?;
-        let mut fx = BrokerFixture::new(Arc::new(broker.clone()), destination);
-        fx.foreign = Some(Arc::new(RedisForeign { broker, url: self.config.url.clone() }));
-        Ok(fx)
+        self.fixture_with(case, self.config.clone()).await
+    }
+
+    async fn fixture_holding(&self, case: &str) -> Result<BrokerFixture> {
+        self.fixture_with(case, self.config.clone().with_claim_idle(HOLD_IDLE)).await
     }
 }
 

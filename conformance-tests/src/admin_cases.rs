@@ -273,3 +273,83 @@ pub(crate) async fn release_keeps_the_attempts_of_a_row_that_failed<H: Harness>(
     );
     Ok(CaseResult::Passed("released after two failures: pending at once, attempts still 2".into()))
 }
+
+/// [`OutboxStore::complete`](outbox_core::OutboxStore::complete): "publishes only if the row's
+/// owner and token equal the lease's and the row is neither published nor parked". A relay that
+/// parked a row still holds the lease it parked it with; a publish confirmed late, or a batch
+/// completed together with others (`complete_many`), must not turn that dead letter into a
+/// published row that the operator's list no longer shows. The other token-conditional calls
+/// with that lease change nothing either, and the row stays deliverable: requeued, it is claimed
+/// and published under a new token.
+pub(crate) async fn complete_fences_a_parked_row<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
+    const CASE: &str = "store_complete_fences_a_parked_row";
+    const REASON: &str = "rejected by the broker";
+    let clock = ManualClock::default();
+    let fx = h.fixture(CASE, clock.clone()).await?;
+    let events = crate::cases::numbered_events(CASE, &fx.destination, 1)?;
+    let row = fx.store.enqueue(&events).await?[0];
+    let c = fx.store.claim("relay-A", 1, LEASE).await?;
+    ensure!(CASE, c.len() == 1, "the claim of the one pending row returned {} rows", c.len());
+    let lease = c[0].lease.clone();
+    let o = fx.store.park(row, &lease, REASON).await?;
+    ensure!(CASE, o == Outcome::Applied, "park with the claim's lease was {o:?}");
+    let done = fx.store.complete(row, &lease).await?;
+    ensure!(CASE, done == Completion::Fenced, "complete of the parked row with the lease that parked it was {done:?}");
+    let many = fx.store.complete_many(&[(row, lease.clone())]).await?;
+    ensure!(CASE, many == [Completion::Fenced], "complete_many of the parked row with its lease was {many:?}");
+    let outcomes = [
+        ("fail", fx.store.fail(row, &lease, Duration::ZERO, "late failure").await?),
+        ("park", fx.store.park(row, &lease, "parked again").await?),
+        ("extend", fx.store.extend(row, &lease, LEASE).await?),
+        ("release", fx.store.release(row, &lease).await?),
+    ];
+    for (op, o) in outcomes {
+        ensure!(CASE, o == Outcome::Fenced, "{op} of the parked row with the lease that parked it was {o:?}");
+    }
+    let rows = all_rows(fx.store.as_ref()).await?;
+    let r = rows.iter().find(|r| r.row_id == row);
+    ensure!(
+        CASE,
+        r.is_some_and(|r| r.status == RowStatus::Parked
+            && r.published_token.is_none()
+            && r.last_error.as_deref() == Some(REASON)),
+        "after the calls with the parking lease the row reads back as {}; expected parked, unpublished, reason \
+         {REASON:?}",
+        r.map_or("missing".to_string(), describe)
+    );
+    let parked = fx.store.list_parked(10).await?;
+    ensure!(
+        CASE,
+        parked.len() == 1 && parked[0].record.row_id == row && parked[0].reason == REASON,
+        "list_parked reads {:?}; expected the one row with its reason {REASON:?}",
+        parked.iter().map(|p| (p.record.row_id, p.reason.as_str())).collect::<Vec<_>>()
+    );
+    clock.advance(LEASE * 2);
+    let none = fx.store.claim("relay-B", 10, LEASE).await?;
+    ensure!(
+        CASE,
+        none.is_empty(),
+        "a claim took the parked row: {:?}",
+        none.iter().map(|c| c.record.row_id).collect::<Vec<_>>()
+    );
+    ensure!(CASE, fx.store.requeue_parked(&[row]).await? == 1, "requeue of the parked row did not count it");
+    let again = fx.store.claim("relay-B", 1, LEASE).await?;
+    ensure!(
+        CASE,
+        again.len() == 1 && again[0].record.row_id == row && again[0].lease.token > lease.token,
+        "the claim after the requeue returned {:?}; expected the row under a token above {}",
+        again.iter().map(|c| (c.record.row_id, c.lease.token)).collect::<Vec<_>>(),
+        lease.token
+    );
+    let done = fx.store.complete(row, &again[0].lease).await?;
+    ensure!(CASE, done == Completion::Published, "complete after the requeue and a new claim was {done:?}");
+    let r = all_rows(fx.store.as_ref()).await?.into_iter().find(|r| r.row_id == row);
+    ensure!(
+        CASE,
+        r.as_ref().is_some_and(|r| r.status == RowStatus::Published && r.published_token == Some(again[0].lease.token)),
+        "the requeued row reads back as {}; expected published by token {}",
+        r.as_ref().map_or("missing".to_string(), describe),
+        again[0].lease.token
+    );
+    Ok(CaseResult::Passed("six calls with the parking lease fenced; requeued, published under a new token".into()))
+}

@@ -455,6 +455,15 @@ pub fn all_cases() -> Vec<Case> {
             body: Function,
         },
         Case {
+            name: "store_complete_fences_a_parked_row",
+            class: "OutboxStore::complete",
+            property: "complete and complete_many with the lease that parked a row are fenced and leave it parked \
+                       (so do fail, park, extend and release); requeued, it is claimed and published under a new \
+                       token",
+            needs: &[],
+            body: Function,
+        },
+        Case {
             name: "store_admin_reads_at_most_limit_in_row_id_order",
             class: "OutboxAdmin::list_parked, OutboxAdmin::inspect",
             property: "list_parked and inspect return at most their limit, in row-id order (inspect after the id \
@@ -954,6 +963,7 @@ pub async fn run_case_with<H: Harness>(harness: &H, case: &Case, engines: &Engin
             "store_release_keeps_the_attempts_of_a_row_that_failed" => {
                 crate::admin_cases::release_keeps_the_attempts_of_a_row_that_failed(harness).await
             }
+            "store_complete_fences_a_parked_row" => crate::admin_cases::complete_fences_a_parked_row(harness).await,
             "store_admin_reads_at_most_limit_in_row_id_order" => {
                 crate::admin_cases::admin_reads_at_most_limit_in_row_id_order(harness).await
             }
@@ -1369,7 +1379,9 @@ async fn broker_held_delivery_is_not_handed_to_another_live_member<H: Harness>(
     h: &H,
 ) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "broker_held_delivery_is_not_handed_to_another_live_member";
-    let (fx, wait) = fresh_broker(h, CASE).await?;
+    let fx = h.fixture_holding(CASE, ManualClock::default()).await?;
+    fx.broker.declare(&fx.destination, &[suite_group()]).await?;
+    let wait = h.capabilities().delivery_wait;
     let tag = crate::world::unique_tag();
     let events = [
         Event::new(EventId::new(format!("{CASE}.{tag}.a"))?, fx.destination.clone(), b"a".to_vec()),

@@ -73,8 +73,10 @@ pub enum Capability {
     /// A delivery a live member holds unacknowledged stays with it while another member joins
     /// and reads for a few delivery waits: no rebalance moves it and no idle timeout that short
     /// hands it over ([`Subscription::receive`](outbox_core::Subscription::receive) allows both;
-    /// a Kafka group rebalances when a member joins, and the suite's Redis harness reclaims
-    /// after 200 ms).
+    /// a Kafka group rebalances when a member joins). The case takes its fixture from
+    /// [`Harness::fixture_holding`], so a harness whose fixtures hand deliveries over after a
+    /// short idle time (the suite's Redis harness: 200 ms) declares it by giving that case a
+    /// longer one.
     HeldWhileLive,
 }
 
@@ -333,6 +335,16 @@ pub trait Harness: Send + Sync + 'static {
             ParkedHead::Skip => Err(cannot_skip(&self.name())),
         }
     }
+
+    /// [`fixture`](Harness::fixture) for a case that needs [`Capability::HeldWhileLive`]: its
+    /// subscriptions keep a delivery they hold unacknowledged while they live.
+    ///
+    /// The default is `fixture`, for a harness whose fixtures hold anyway; one whose fixtures
+    /// hand deliveries over after a short idle time (so that its redelivery cases are quick)
+    /// overrides this with a longer one.
+    async fn fixture_holding(&self, case: &str, clock: ManualClock) -> Result<Fixture<Self::Inbox>> {
+        self.fixture(case, clock).await
+    }
 }
 
 fn cannot_skip(name: &str) -> Error {
@@ -444,6 +456,12 @@ pub trait BrokerHarness: Send + Sync + 'static {
     /// A fresh broker fixture for the case `case`: its destination (and consumer groups, where
     /// the broker keeps them per name) is used by no other fixture.
     async fn fixture(&self, case: &str) -> Result<BrokerFixture>;
+
+    /// [`fixture`](BrokerHarness::fixture) for a case that needs [`Capability::HeldWhileLive`]
+    /// (see [`Harness::fixture_holding`]). The default is `fixture`.
+    async fn fixture_holding(&self, case: &str) -> Result<BrokerFixture> {
+        self.fixture(case).await
+    }
 }
 
 /// A broker half chosen at run time (a URL's scheme, say): a [`Combined`] over it compiles the
@@ -460,6 +478,10 @@ impl BrokerHarness for Box<dyn BrokerHarness> {
 
     async fn fixture(&self, case: &str) -> Result<BrokerFixture> {
         (**self).fixture(case).await
+    }
+
+    async fn fixture_holding(&self, case: &str) -> Result<BrokerFixture> {
+        (**self).fixture_holding(case).await
     }
 }
 
@@ -539,7 +561,20 @@ impl<S: StoreHarness, B: BrokerHarness> Harness for Combined<S, B> {
     ) -> Result<Fixture<Self::Inbox>> {
         let store = self.store.fixture_with_parked_head(case, clock, parked_head).await?;
         let broker = self.broker.fixture(case).await?;
-        Ok(Fixture {
+        Ok(Self::join(store, broker))
+    }
+
+    async fn fixture_holding(&self, case: &str, clock: ManualClock) -> Result<Fixture<Self::Inbox>> {
+        let store = self.store.fixture(case, clock).await?;
+        let broker = self.broker.fixture_holding(case).await?;
+        Ok(Self::join(store, broker))
+    }
+}
+
+impl<S: StoreHarness, B: BrokerHarness> Combined<S, B> {
+    /// One fixture of the two halves.
+    fn join(store: StoreFixture<S::Inbox>, broker: BrokerFixture) -> Fixture<S::Inbox> {
+        Fixture {
             store: store.store,
             broker: broker.broker,
             inbox: store.inbox,
@@ -548,7 +583,7 @@ impl<S: StoreHarness, B: BrokerHarness> Harness for Combined<S, B> {
             restart_inbox: store.restart_inbox,
             restart_broker: broker.restart_broker,
             foreign: broker.foreign,
-        })
+        }
     }
 }
 

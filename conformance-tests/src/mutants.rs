@@ -125,6 +125,11 @@ pub enum Mutant {
     /// `release` that resets the row's attempts (the requeue statement reused): a row that keeps
     /// failing gets a fresh set of retries at every relay restart and is never dead-lettered.
     ReleaseResetsAttempts,
+    /// `complete` that does not check whether the row is parked, beside a `park` that keeps the
+    /// row's owner and token (a condition left out of the completion's `WHERE`): a publish
+    /// confirmed after the relay parked the row publishes the dead letter, and the operator's
+    /// list loses it.
+    CompletePublishesParkedRow,
     /// `markers` that reads back in descending event-id order (a query ordered the wrong way).
     MarkersOutOfOrder,
     /// `dead_letters` that reads back newest first: a replay of the oldest goes to the newest.
@@ -201,7 +206,7 @@ pub enum Mutant {
 
 impl Mutant {
     /// Every wrong variant.
-    pub const ALL: [Mutant; 56] = [
+    pub const ALL: [Mutant; 57] = [
         Mutant::NoFencing,
         Mutant::ClaimIgnoresExpiry,
         Mutant::ClaimKeepsToken,
@@ -235,6 +240,7 @@ impl Mutant {
         Mutant::ListParkedNewestFirst,
         Mutant::InspectIgnoresLimit,
         Mutant::ReleaseResetsAttempts,
+        Mutant::CompletePublishesParkedRow,
         Mutant::MarkersOutOfOrder,
         Mutant::DeadLettersNewestFirst,
         Mutant::DeadLetterKeepsRecordTime,
@@ -346,6 +352,7 @@ impl fmt::Display for Mutant {
             Self::ListParkedNewestFirst => "list_parked that returns the newest rows first",
             Self::InspectIgnoresLimit => "inspect that returns every later row, whatever the limit",
             Self::ReleaseResetsAttempts => "release that resets the row's attempts",
+            Self::CompletePublishesParkedRow => "complete that publishes a row parked with the same lease",
             Self::MarkersOutOfOrder => "markers that read back in descending event-id order",
             Self::DeadLettersNewestFirst => "dead_letters that read back newest first",
             Self::DeadLetterKeepsRecordTime => "dead_letter that keeps the record's time, not the store's",
@@ -401,6 +408,8 @@ struct MutantStore {
     /// [`Mutant::WakeupNeverSignals`], [`Mutant::WakeupBeforeRowsAreClaimable`]: the signal they
     /// hand out instead of the inner store's (the other variants hand out the inner store's).
     signal: outbox_core::WakeupSender,
+    /// [`Mutant::CompletePublishesParkedRow`]: the lease each parked row was parked with.
+    parked_with: Mutex<std::collections::HashMap<RowId, Lease>>,
 }
 
 /// How long after its `enqueue` returned a row of [`Mutant::EnqueueAnswersBeforeCommit`] is
@@ -417,6 +426,7 @@ impl MutantStore {
             uncommitted: Arc::default(),
             enqueues: AtomicUsize::new(0),
             signal: outbox_core::WakeupSender::new(),
+            parked_with: Mutex::default(),
         }
     }
 
@@ -477,6 +487,22 @@ impl MutantStore {
             }
         }
         Ok(kept)
+    }
+
+    /// [`Mutant::CompletePublishesParkedRow`]'s completion of a parked row: published as a
+    /// completion that ignores `parked_at` would, through the reference store's own calls
+    /// (requeued, claimed, completed; any other row the claim took is released).
+    async fn publish_parked(&self, row: RowId, owner: &str) -> Result<Completion> {
+        lock(&self.parked_with).remove(&row);
+        self.inner.requeue_parked(&[row]).await?;
+        for c in self.inner.claim(owner, usize::MAX, Duration::from_secs(60)).await? {
+            if c.record.row_id == row {
+                let _ = self.inner.complete(row, &c.lease).await?;
+            } else {
+                let _ = self.inner.release(c.record.row_id, &c.lease).await?;
+            }
+        }
+        Ok(Completion::Published)
     }
 
     async fn row(&self, row: RowId) -> Result<Option<RowSnapshot>> {
@@ -626,6 +652,12 @@ impl OutboxStore for MutantStore {
             };
         }
         let lease = self.translate(row, lease).await?;
+        if self.mode == Mutant::CompletePublishesParkedRow {
+            let parked_with = lock(&self.parked_with).get(&row).cloned();
+            if parked_with.is_some_and(|p| p.owner == lease.owner && p.token == lease.token) {
+                return self.publish_parked(row, &lease.owner).await;
+            }
+        }
         self.inner.complete(row, &lease).await
     }
 
@@ -654,7 +686,11 @@ impl OutboxStore for MutantStore {
 
     async fn park(&self, row: RowId, lease: &Lease, reason: &str) -> Result<Outcome> {
         let lease = self.translate(row, lease).await?;
-        self.inner.park(row, &lease, reason).await
+        let o = self.inner.park(row, &lease, reason).await?;
+        if self.mode == Mutant::CompletePublishesParkedRow && o == Outcome::Applied {
+            lock(&self.parked_with).insert(row, lease);
+        }
+        Ok(o)
     }
 
     async fn extend(&self, row: RowId, lease: &Lease, by: Duration) -> Result<Outcome> {

@@ -211,8 +211,15 @@ impl BrokerHarness for KafkaBrokerHarness {
                 let mut present = Capability::present_in(&self.config.capabilities());
                 // Raw records are produced with librdkafka ([`KafkaForeign`]).
                 present.push(Capability::ForeignMessages);
-                // Not `HeldWhileLive`: a member joining rebalances the group, which may move the
-                // partition, and its uncommitted records, to the new member.
+                // A member joining rebalances the group. The subscription's assignor,
+                // cooperative-sticky, leaves a partition with its live owner unless moving it
+                // balances the group: with one partition per topic (the default) a held record
+                // stays; with more, a partition may move to the new member with its uncommitted
+                // records. (With the eager `range` assignor the case fails: the partition is
+                // revoked from the holder on every join.)
+                if self.config.partitions == 1 {
+                    present.push(Capability::HeldWhileLive);
+                }
                 present
             },
             delivery_wait: DELIVERY_WAIT,

@@ -72,8 +72,9 @@ pub enum Capability {
     Wakeup,
     /// A delivery a live member holds unacknowledged stays with it while another member joins
     /// and reads for a few delivery waits: no rebalance moves it and no idle timeout that short
-    /// hands it over ([`Subscription::receive`](outbox_core::Subscription::receive) allows both;
-    /// a Kafka group rebalances when a member joins). The case takes its fixture from
+    /// hands it over ([`Subscription::receive`](outbox_core::Subscription::receive) allows both:
+    /// a Kafka group rebalances when a member joins, and only a sticky assignment keeps a
+    /// partition with its live owner). The case takes its fixture from
     /// [`Harness::fixture_holding`], so a harness whose fixtures hand deliveries over after a
     /// short idle time (the suite's Redis harness: 200 ms) declares it by giving that case a
     /// longer one.

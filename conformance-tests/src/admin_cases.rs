@@ -239,20 +239,18 @@ pub(crate) async fn release_keeps_the_attempts_of_a_row_that_failed<H: Harness>(
     h: &H,
 ) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "store_release_keeps_the_attempts_of_a_row_that_failed";
-    let clock = ManualClock::default();
-    let fx = h.fixture(CASE, clock.clone()).await?;
-    let events = crate::cases::numbered_events(CASE, &fx.destination, 1)?;
-    let row = fx.store.enqueue(&events).await?[0];
+    let (fx, clock, _) = crate::cases::store_fixture(h, CASE, 1).await?;
     for attempt in 1..=2 {
         let c = fx.store.claim("relay-A", 1, LEASE).await?;
         ensure!(CASE, c.len() == 1, "claim {attempt} returned {} rows", c.len());
-        let o = fx.store.fail(row, &c[0].lease, Duration::from_secs(1), "broker down").await?;
+        let o = fx.store.fail(c[0].record.row_id, &c[0].lease, Duration::from_secs(1), "broker down").await?;
         ensure!(CASE, o == Outcome::Applied, "fail {attempt} was {o:?}");
         clock.advance(Duration::from_secs(1));
     }
     let c = fx.store.claim("relay-A", 1, LEASE).await?;
     ensure!(CASE, c.len() == 1, "the claim after two failures returned {} rows", c.len());
     ensure!(CASE, c[0].record.attempts == 2, "the claim after two failures reads attempts {}", c[0].record.attempts);
+    let row = c[0].record.row_id;
     let o = fx.store.release(row, &c[0].lease).await?;
     ensure!(CASE, o == Outcome::Applied, "release with the claim's lease was {o:?}");
     let rows = all_rows(fx.store.as_ref()).await?;
@@ -284,13 +282,10 @@ pub(crate) async fn release_keeps_the_attempts_of_a_row_that_failed<H: Harness>(
 pub(crate) async fn complete_fences_a_parked_row<H: Harness>(h: &H) -> outbox_core::Result<CaseResult> {
     const CASE: &str = "store_complete_fences_a_parked_row";
     const REASON: &str = "rejected by the broker";
-    let clock = ManualClock::default();
-    let fx = h.fixture(CASE, clock.clone()).await?;
-    let events = crate::cases::numbered_events(CASE, &fx.destination, 1)?;
-    let row = fx.store.enqueue(&events).await?[0];
+    let (fx, clock, _) = crate::cases::store_fixture(h, CASE, 1).await?;
     let c = fx.store.claim("relay-A", 1, LEASE).await?;
     ensure!(CASE, c.len() == 1, "the claim of the one pending row returned {} rows", c.len());
-    let lease = c[0].lease.clone();
+    let (row, lease) = (c[0].record.row_id, c[0].lease.clone());
     let o = fx.store.park(row, &lease, REASON).await?;
     ensure!(CASE, o == Outcome::Applied, "park with the claim's lease was {o:?}");
     let done = fx.store.complete(row, &lease).await?;

@@ -1623,7 +1623,8 @@ pub(crate) fn numbered_events(case: &str, destination: &Destination, n: usize) -
         .collect()
 }
 
-async fn store_fixture<H: Harness>(
+/// A fixture on a fresh clock with `n` numbered events enqueued.
+pub(crate) async fn store_fixture<H: Harness>(
     h: &H,
     case: &str,
     n: usize,
